@@ -1,0 +1,134 @@
+"""lessmem.compress: backpropagation with compressed activations (torch only, no Hydra).
+
+    import lessmem
+    lessmem.compress(model, {"layer1.*": 4, "*": 2})   # first matching pattern wins
+    report = lessmem.measure_memory(model, images)
+    lessmem.uncompress(model)
+
+The module itself is callable, so ``lessmem.compress(model, mapping)`` and
+``from lessmem.compress import compress`` are the same function.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import sys
+import types
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from .mapping import compressible_layers, parse_spec, resolve_mapping
+from .memory import MemoryReport, measure_memory
+from .modules import (
+    COMPRESSIBLE,
+    EXACT_COMPANIONS,
+    STOCK_OF,
+    LayerSpec,
+    StoredBatchNorm2d,
+)
+from .storage import STORAGES, check_storage
+
+__all__ = [
+    "LayerSpec",
+    "MemoryReport",
+    "STORAGES",
+    "compress",
+    "compressed_layers",
+    "compressible_layers",
+    "measure_memory",
+    "parse_spec",
+    "resolve_mapping",
+    "uncompress",
+]
+
+_ORIGINAL = "_lessmem_original_class"
+
+
+def _swap(module: nn.Module, new_cls: type[nn.Module]) -> None:
+    if not hasattr(module, _ORIGINAL):
+        object.__setattr__(module, _ORIGINAL, type(module))
+    module.__class__ = new_cls
+
+
+def compress(
+    model: nn.Module,
+    mapping: Mapping[str, Any] | None,
+    *,
+    exact_companions: bool = True,
+    norm_storage: str | Mapping[str, str] = "native",
+) -> nn.Module:
+    """Compress ``model`` in place and return it.
+
+    mapping: ordered ``{fnmatch pattern on named_modules() names: kernel}``; kernel is ``k``,
+        ``[kh, kw]`` or ``{"kernel": k, "storage": "bf16"|"int8"}``. ``1`` keeps the stock layer
+        (bit-identical). Conv2d inputs are pooled k×k; Linear inputs (..., tokens, features) are
+        pooled over k tokens.
+    exact_companions: also swap ReLU/ReLU6/Hardtanh for 1-bit-mask versions and MaxPool2d for
+        uint8-index versions. Exact, and needed for real savings: otherwise they keep the
+        full-size tensors that pooling was meant to drop.
+    norm_storage: ``"native"`` (exact), ``"bf16"`` or ``"int8"`` storage for BatchNorm2d inputs,
+        globally or as ``{pattern: storage}``. Lossy: the input gradient becomes approximate.
+    """
+    uncompress(model)
+    for name, spec in resolve_mapping(model, mapping).items():
+        module = model.get_submodule(name)
+        if spec.exact:
+            continue
+        if spec.kernel[0] != spec.kernel[1] and type(module) is nn.Linear:
+            raise ValueError(f"layer {name!r} is Linear: give one token-pooling size, not {spec.kernel}")
+        _swap(module, COMPRESSIBLE[type(module)])
+        module.lessmem_spec = spec
+    if exact_companions:
+        for module in model.modules():
+            if type(module) in EXACT_COMPANIONS:
+                _swap(module, EXACT_COMPANIONS[type(module)])
+    for name, storage in _norm_storages(model, norm_storage).items():
+        module = model.get_submodule(name)
+        _swap(module, StoredBatchNorm2d)
+        module.lessmem_storage = storage
+    return model
+
+
+def _norm_storages(model: nn.Module, norm_storage: str | Mapping[str, str]) -> dict[str, str]:
+    norms = [n for n, m in model.named_modules() if type(m) is nn.BatchNorm2d]
+    rules = {"*": norm_storage} if isinstance(norm_storage, str) else dict(norm_storage)
+    chosen: dict[str, str] = {}
+    for pattern, storage in rules.items():
+        check_storage(str(storage))
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in norms) and pattern != "*":
+            raise ValueError(f"norm_storage pattern {pattern!r} matches no BatchNorm2d; have {norms}")
+    for name in norms:
+        for pattern, storage in rules.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                if storage != "native":
+                    chosen[name] = str(storage)
+                break
+    return chosen
+
+
+def uncompress(model: nn.Module) -> nn.Module:
+    """Restore every swapped layer to its stock class (in place); returns ``model``."""
+    for module in model.modules():
+        original = module.__dict__.pop(_ORIGINAL, None)
+        if original is None and type(module) in STOCK_OF:
+            original = STOCK_OF[type(module)]
+        if original is not None:
+            module.__class__ = original
+            module.__dict__.pop("lessmem_spec", None)
+            module.__dict__.pop("lessmem_storage", None)
+    return model
+
+
+def compressed_layers(model: nn.Module) -> dict[str, LayerSpec]:
+    """Name -> spec of every layer currently compressed."""
+    return {n: m.lessmem_spec for n, m in model.named_modules() if hasattr(m, "lessmem_spec")}
+
+
+class _CallableModule(types.ModuleType):
+    def __call__(self, model: nn.Module, mapping: Mapping[str, Any] | None, **kwargs: Any) -> nn.Module:
+        return compress(model, mapping, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
