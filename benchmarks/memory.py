@@ -1,0 +1,81 @@
+"""Saved-for-backward bytes of stock PyTorch against lessmem, same model and batch.
+
+Counts unique storages of every tensor autograd keeps after the forward pass (parameters and
+buffers excluded), with ``lessmem.measure_memory``. Runs on the CPU in minutes.
+
+    python benchmarks/memory.py                       # resnet18, resnet50, mobilenet_v2; batch 32, 224x224
+    python benchmarks/memory.py --models resnet18 --batch 8 --csv out.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import gc
+
+import torch
+import torchvision
+
+import lessmem
+
+# name -> (mapping, compress kwargs, note). "naive" is the trap: conv inputs pooled while ReLU and
+# MaxPool still keep full-size tensors.
+CONFIGS: dict[str, tuple[dict | None, dict, str]] = {
+    "k=1": ({"*": 1}, {}, "exact: 1-bit ReLU masks, uint8 max-pool indices"),
+    "naive 2x2": ({"*": 2}, {"exact_companions": False}, "conv inputs pooled only"),
+    "2x2": ({"*": 2}, {}, "exact error propagation"),
+    "4x4": ({"*": 4}, {}, "exact error propagation"),
+    "2x2 + bf16 BN": ({"*": 2}, {"norm_storage": "bf16"}, "approximate BN input"),
+    "4x4 + int8 BN": ({"*": 4}, {"norm_storage": "int8"}, "approximate BN input"),
+}
+
+
+def build(name: str) -> torch.nn.Module:
+    return getattr(torchvision.models, name)(num_classes=1000)
+
+
+def measure(name: str, batch: int, size: int, configs: list[str]) -> list[dict]:
+    torch.manual_seed(0)
+    stock = build(name)
+    x = torch.randn(batch, 3, size, size)
+    base = lessmem.measure_memory(stock, x).total_bytes
+    rows = [dict(model=name, config="stock PyTorch", saved_mib=base / 2**20, ratio=1.0, note="")]
+    for cfg in configs:
+        mapping, kwargs, note = CONFIGS[cfg]
+        model = lessmem.compress(copy.deepcopy(stock), mapping, **kwargs)
+        saved = lessmem.measure_memory(model, x).total_bytes
+        rows.append(dict(model=name, config=cfg, saved_mib=saved / 2**20, ratio=saved / base, note=note))
+        del model
+        gc.collect()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["resnet18", "resnet50", "mobilenet_v2"])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--csv", help="also write the table as CSV here")
+    args = parser.parse_args()
+
+    rows = []
+    print(f"batch {args.batch}, {args.size}x{args.size}, fp32, torch {torch.__version__}, "
+          f"torchvision {torchvision.__version__}; saved-for-backward bytes after the forward pass")
+    print("| model | config | saved MiB | ratio to stock | note |")
+    print("|---|---|---|---|---|")
+    for name in args.models:
+        for row in measure(name, args.batch, args.size, args.configs):
+            rows.append(row)
+            print(f"| {row['model']} | {row['config']} | {row['saved_mib']:.1f} | {row['ratio']:.3f} | {row['note']} |",
+                  flush=True)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Training-step time of a compressed model against stock PyTorch, on the same batch.
+
+Both models live in one process and run alternately (stock, compressed, stock, ...) so that
+machine noise hits both alike; the reported ratio is median(compressed) / median(stock).
+
+    python benchmarks/speed.py --model resnet18 --batch 32 --size 224 --kernels 2 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+import torchvision
+
+import lessmem
+
+
+def train_step(model, optimizer, x, y) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--kernels", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    torch.manual_seed(0)
+    stock = getattr(torchvision.models, args.model)(num_classes=10)
+    models = {"stock": stock}
+    for k in args.kernels:
+        models[f"{k}x{k}"] = lessmem.compress(copy.deepcopy(stock), {"*": k})
+    optimizers = {n: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for n, m in models.items()}
+    x = torch.randn(args.batch, 3, args.size, args.size)
+    y = torch.randint(0, 10, (args.batch,))
+
+    times: dict[str, list[float]] = {n: [] for n in models}
+    for i in range(args.warmup + args.repeats):
+        for name, model in models.items():  # alternate configurations every step
+            t0 = time.perf_counter()
+            train_step(model, optimizers[name], x, y)
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - t0)
+
+    base = statistics.median(times["stock"])
+    print(f"{args.model}, batch {args.batch}, {args.size}x{args.size}, fp32, "
+          f"{torch.get_num_threads()} threads, {args.repeats} alternating steps each, torch {torch.__version__}")
+    print("| config | median step (s) | min (s) | ratio to stock |")
+    print("|---|---|---|---|")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"| {name} | {med:.3f} | {min(ts):.3f} | {med / base:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
