@@ -1,0 +1,104 @@
+"""Experiment trackers behind one small interface: W&B (offline/online), CSV, or nothing."""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+
+class Logger:
+    """No-op base (``logger=disabled``)."""
+
+    def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        pass
+
+    def summary(self, values: dict[str, Any]) -> None:
+        pass
+
+    def finish(self, exit_code: int = 0) -> None:
+        pass
+
+
+class CsvLogger(Logger):
+    """Appends one row per ``log`` call to ``out_dir/metrics.csv`` (columns fixed by the first row)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.path = Path(out_dir) / "metrics.csv"
+        self.fields: list[str] | None = None
+        if self.path.exists():  # resumed run: keep the existing header
+            with self.path.open() as f:
+                self.fields = next(csv.reader(f), None)
+
+    def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        row = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str)) or v is None}
+        new = self.fields is None
+        if new:
+            self.fields = list(row)
+        with self.path.open("a", newline="") as f:
+            writer = csv.DictWriter(f, self.fields, extrasaction="ignore")
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+
+
+class WandbLogger(Logger):
+    def __init__(self, cfg: DictConfig, lcfg: DictConfig, out_dir: Path, resume_id: str | None) -> None:
+        os.environ.setdefault("WANDB_SILENT", "true")
+        import wandb
+
+        self.run = wandb.init(
+            project=lcfg.get("project", "lessmem"),
+            entity=lcfg.get("entity"),
+            group=lcfg.get("group"),
+            name=lcfg.get("run_name"),
+            tags=list(lcfg.get("tags") or []),
+            mode=lcfg.get("mode", "offline"),
+            config=OmegaConf.to_container(cfg, resolve=True),
+            dir=str(out_dir),
+            id=resume_id,
+            resume="allow" if resume_id else None,
+        )
+        # Epoch-level curves use "epoch" as x axis; step-level ones (grad cosine) use "step".
+        self.run.define_metric("epoch")
+        for prefix in ("train/*", "val/*", "lr", "time/*"):
+            self.run.define_metric(prefix, step_metric="epoch")
+        self.run.define_metric("step")
+        self.run.define_metric("grad_cosine/*", step_metric="step")
+        self.run.define_metric("val/top1", step_metric="epoch", summary="max")
+
+    @property
+    def id(self) -> str:
+        return self.run.id
+
+    def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        self.run.log(metrics)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        for k, v in values.items():
+            self.run.summary[k] = v
+
+    def finish(self, exit_code: int = 0) -> None:
+        self.run.finish(exit_code=exit_code)
+
+
+def build_logger(cfg: DictConfig, out_dir: Path) -> Logger:
+    """``cfg`` is the whole run config (logged as W&B config); the tracker comes from ``cfg.logger``."""
+    lcfg = cfg.get("logger") or {}
+    name = lcfg.get("name", "disabled")
+    if name == "wandb":
+        if lcfg.get("mode") == "disabled":
+            return Logger()
+        id_file = out_dir / "wandb_id.txt"
+        resume_id = id_file.read_text().strip() if cfg.get("resume") and id_file.exists() else None
+        logger = WandbLogger(cfg, lcfg, out_dir, resume_id)
+        id_file.write_text(logger.id)
+        return logger
+    if name == "csv":
+        return CsvLogger(out_dir)
+    if name == "disabled":
+        return Logger()
+    raise ValueError(f"unknown logger {name!r}; available: wandb, csv, disabled")

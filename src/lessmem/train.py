@@ -1,0 +1,426 @@
+"""Training entry: ``run(cfg) -> metrics`` (used by the CLI, sweeps and tests).
+
+Writes to ``cfg.out_dir``: ``config.yaml`` (resolved), ``metrics.jsonl`` (one line per epoch),
+``checkpoint.pt`` (atomic), ``metrics.json`` (final), and ``grad_cosine.jsonl`` when enabled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import random
+import time
+from collections import defaultdict
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+import lessmem
+from lessmem.data import build_loaders
+from lessmem.loggers import build_logger
+from lessmem.models import build_model
+from lessmem.paths import resolve_path
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+TIME_KEYS = ("epoch_time_s", "throughput_img_s", "train_time_s")  # differ between identical runs
+
+
+# --------------------------------------------------------------------------- config helpers
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={name} but CUDA is not available; use device=cpu or auto")
+    return torch.device(name)
+
+
+def validate(cfg: DictConfig, device: torch.device) -> None:
+    if cfg.precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {cfg.precision!r}")
+    if cfg.precision == "fp16" and device.type != "cuda":
+        raise ValueError("precision=fp16 needs CUDA (GradScaler); on CPU use bf16 or fp32")
+    for key in ("epochs", "batch_size", "eval_batch_size", "memory_batch", "checkpoint_every"):
+        if int(cfg[key]) < 1:
+            raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
+
+
+def compression_map(ccfg: DictConfig) -> dict[str, Any]:
+    """The pattern -> kernel map: ``compression.map_file`` (YAML with a top-level ``map:`` or a
+    plain map) when set, else ``compression.map``."""
+    if ccfg.get("map_file"):
+        path = resolve_path(ccfg.map_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"compression.map_file {path} does not exist")
+        data = yaml.safe_load(path.read_text()) or {}
+        if isinstance(data, dict) and isinstance(data.get("map"), dict):
+            data = data["map"]
+        if not isinstance(data, dict):
+            raise ValueError(f"compression.map_file {path}: expected a mapping of pattern -> kernel")
+        return data
+    raw = ccfg.get("map") or {}
+    return OmegaConf.to_container(raw) if isinstance(raw, DictConfig) else dict(raw)
+
+
+def build_optimizer(ocfg: DictConfig, params: Any) -> torch.optim.Optimizer:
+    if ocfg.name == "sgd":
+        return torch.optim.SGD(params, lr=ocfg.lr, momentum=ocfg.get("momentum", 0.0),
+                               weight_decay=ocfg.get("weight_decay", 0.0),
+                               nesterov=bool(ocfg.get("nesterov", False)))
+    if ocfg.name == "adamw":
+        return torch.optim.AdamW(params, lr=ocfg.lr, betas=tuple(ocfg.get("betas", (0.9, 0.999))),
+                                 weight_decay=ocfg.get("weight_decay", 0.01))
+    raise ValueError(f"unknown optimizer {ocfg.name!r}; available: sgd, adamw")
+
+
+def build_scheduler(scfg: DictConfig, optimizer: torch.optim.Optimizer, epochs: int,
+                    steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Per-step schedule: linear warmup, then cosine / step / constant. The cosine horizon is
+    ``epochs``, so resume with the same ``epochs`` to reproduce an uninterrupted run."""
+    total, warmup = epochs * steps_per_epoch, int(scfg.get("warmup_epochs", 0) * steps_per_epoch)
+    name = scfg.name
+    if name not in ("cosine", "step", "none"):
+        raise ValueError(f"unknown scheduler {name!r}; available: cosine, step, none")
+    floor = float(scfg.get("min_lr_ratio", 0.0))
+    milestones = [int(m) * steps_per_epoch for m in scfg.get("milestones", [])]
+    gamma = float(scfg.get("gamma", 0.1))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if name == "cosine":
+            t = (step - warmup) / max(1, total - warmup)
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+        if name == "step":
+            return gamma ** sum(step >= m for m in milestones)
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    dtype = PRECISIONS[precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def first_images(loader: Any, n: int) -> Tensor:
+    chunks, have = [], 0
+    for x, _ in loader:
+        chunks.append(x)
+        have += len(x)
+        if have >= n:
+            break
+    return torch.cat(chunks)[:n]
+
+
+def measure(stock: nn.Module, model: nn.Module, x: Tensor, device: torch.device, precision: str) -> dict[str, Any]:
+    """Saved-for-backward bytes of the stock and the compressed model on one batch. Runs on
+    copies in train mode so BatchNorm statistics and RNG of the real model are untouched."""
+    out: dict[str, Any] = {"memory_batch": len(x)}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for prefix, net in (("stock_", stock), ("", model)):
+            net = copy.deepcopy(net).to(device).train()
+            with autocast(device, precision):
+                report = lessmem.measure_memory(net, x.to(device))
+            out[f"{prefix}saved_bytes"] = report.total_bytes
+            out[f"{prefix}cuda_peak_bytes"] = report.cuda_peak_bytes
+            if not prefix:
+                out["saved_bytes_per_layer"] = report.per_layer
+            del net
+    out["ratio"] = out["saved_bytes"] / out["stock_saved_bytes"] if out["stock_saved_bytes"] else float("nan")
+    return out
+
+
+def grad_cosine(model: nn.Module, x: Tensor, y: Tensor, criterion: nn.Module, device: torch.device,
+                precision: str) -> dict[str, float]:
+    """Cosine(exact weight grad, compressed weight grad) per compressed layer, on the batch whose
+    compressed grads are in ``model`` now. The exact grads come from an uncompressed copy
+    (forward is exact, so both see identical activations); scale-invariant, so GradScaler is fine."""
+    layers = lessmem.compressed_layers(model)
+    if not layers:
+        return {}
+    grads = {n: model.get_submodule(n).weight.grad for n in layers}
+    exact = copy.deepcopy(model)
+    lessmem.uncompress(exact)
+    exact.zero_grad(set_to_none=True)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with autocast(device, precision):
+            loss = criterion(exact(x), y)
+        loss.backward()
+    out = {}
+    for name, g in grads.items():
+        ge = exact.get_submodule(name).weight.grad
+        if g is not None and ge is not None:
+            out[name] = F.cosine_similarity(g.flatten().float(), ge.flatten().float(), dim=0).item()
+    return out
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: Any, criterion: nn.Module, device: torch.device,
+             precision: str) -> dict[str, float]:
+    model.eval()
+    loss_sum, top1, top5, n = 0.0, 0, 0, 0
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast(device, precision):
+            logits = model(x)
+        loss_sum += criterion(logits.float(), y).item() * len(y)
+        top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        top1 += (top[:, 0] == y).sum().item()
+        top5 += (top == y[:, None]).any(dim=1).sum().item()
+        n += len(y)
+    return {"val_loss": loss_sum / n, "val_top1": top1 / n, "val_top5": top5 / n}
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """Write to a temp file then rename: a crash mid-write leaves the previous file intact."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def atomic_write_text(text: str, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict[str, Any]:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+# --------------------------------------------------------------------------- run
+
+
+def default_out_dir() -> Path:
+    return Path("outputs") / datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Train ``cfg.model`` on ``cfg.dataset`` with ``cfg.compression``; returns the final metrics."""
+    cfg = copy.deepcopy(cfg)
+    out_dir = Path(cfg.get("out_dir") or default_out_dir()).resolve()
+    with _open_struct(cfg):
+        cfg.out_dir = str(out_dir)
+    device = resolve_device(str(cfg.device))
+    validate(cfg, device)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out_dir / "checkpoint.pt"
+    if cfg.resume and not ckpt_path.exists():
+        raise FileNotFoundError(
+            f"resume=true but there is no checkpoint at {ckpt_path}; point out_dir (or hydra.run.dir) "
+            "at the directory of the run to continue"
+        )
+    seed = int(cfg.seed)
+    seed_everything(seed)
+
+    model_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
+    model = build_model(cfg.model.name, **model_kwargs)
+    train_loader, val_loader = build_loaders(
+        cfg.dataset, int(cfg.batch_size), int(cfg.eval_batch_size), seed, cfg.get("max_steps_per_epoch")
+    )
+    stock = copy.deepcopy(model)
+    mapping = compression_map(cfg.compression)
+    try:
+        lessmem.compress(model, mapping, norm_storage=cfg.compression.get("norm_storage", "native"),
+                         exact_companions=bool(cfg.compression.get("exact_companions", True)))
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"compression {cfg.compression.get('name', '?')!r} does not fit model {cfg.model.name!r}: {e}"
+        ) from e
+    model.to(device)
+    memory = measure(stock, model, first_images(val_loader, int(cfg.memory_batch)), device, cfg.precision)
+    del stock
+
+    criterion = nn.CrossEntropyLoss(label_smoothing=float(cfg.get("label_smoothing", 0.0)))
+    optimizer = build_optimizer(cfg.optimizer, model.parameters())
+    steps_per_epoch = len(train_loader)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, int(cfg.epochs), steps_per_epoch)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+
+    start_epoch, history = 0, []
+    if cfg.resume:
+        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+        _check_compatible(ckpt.get("config", {}), cfg)
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        scaler.load_state_dict(ckpt["scaler"])
+        set_rng_state(ckpt["rng"])
+        start_epoch, history = int(ckpt["epoch"]), list(ckpt["history"])
+    # Rewrite from the checkpoint: drops lines of epochs that finished after the last checkpoint.
+    atomic_write_text("".join(json.dumps(h) + "\n" for h in history), out_dir / "metrics.jsonl")
+    OmegaConf.save(cfg, out_dir / "config.yaml", resolve=True)
+
+    logger = build_logger(cfg, out_dir)
+    try:
+        logger.summary({k: v for k, v in memory.items() if k != "saved_bytes_per_layer"})
+        for epoch in range(start_epoch, int(cfg.epochs)):
+            # Reseeding per epoch makes an epoch's randomness independent of earlier epochs, so a
+            # resumed run matches an uninterrupted one without replaying RNG streams.
+            torch.manual_seed(seed * 100_003 + epoch)
+            train_loader.set_epoch(epoch)
+            record = train_epoch(model, train_loader, criterion, optimizer, scheduler, scaler, cfg,
+                                 device, epoch, steps_per_epoch, logger, out_dir)
+            record.update(evaluate(model, val_loader, criterion, device, cfg.precision))
+            history.append(record)
+            with (out_dir / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            logger.log(_wandb_names(record))
+            done = epoch + 1
+            if done % int(cfg.checkpoint_every) == 0 or done == int(cfg.epochs):
+                atomic_torch_save({
+                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                    "epoch": done, "rng": rng_state(), "history": history, "memory": memory,
+                    "config": OmegaConf.to_container(cfg, resolve=True),
+                }, ckpt_path)
+        metrics = summarize(cfg, history, memory)
+        atomic_write_text(json.dumps(metrics, indent=2), out_dir / "metrics.json")
+        logger.summary({k: v for k, v in metrics.items() if not isinstance(v, (list, dict))})
+    except BaseException:
+        logger.finish(exit_code=1)
+        raise
+    logger.finish(exit_code=0)
+    return metrics
+
+
+def train_epoch(model: nn.Module, loader: Any, criterion: nn.Module, optimizer: torch.optim.Optimizer,
+                scheduler: Any, scaler: torch.amp.GradScaler, cfg: DictConfig, device: torch.device,
+                epoch: int, steps_per_epoch: int, logger: Any, out_dir: Path) -> dict[str, Any]:
+    model.train()
+    lr = optimizer.param_groups[0]["lr"]
+    loss_sum, correct, seen = 0.0, 0, 0
+    cos_every = int(cfg.get("grad_cosine_every") or 0)
+    cos_sums: dict[str, list[float]] = defaultdict(list)
+    start = time.perf_counter()
+    bar = tqdm(loader, total=steps_per_epoch, desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="step",
+               dynamic_ncols=True, disable=None, leave=False)
+    for step, (x, y) in enumerate(bar):
+        global_step = epoch * steps_per_epoch + step
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast(device, cfg.precision):
+            logits = model(x)
+            loss = criterion(logits.float(), y)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        if cos_every and global_step % cos_every == 0:
+            cos = grad_cosine(model, x, y, criterion, device, cfg.precision)
+            for name, c in cos.items():
+                cos_sums[name].append(c)
+            if cos:
+                with (out_dir / "grad_cosine.jsonl").open("a") as f:
+                    f.write(json.dumps({"step": global_step, "epoch": epoch + 1, "cosine": cos}) + "\n")
+                logger.log({"step": global_step, **{f"grad_cosine/{n}": c for n, c in cos.items()}})
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        loss_sum += loss.item() * len(y)
+        correct += (logits.argmax(1) == y).sum().item()
+        seen += len(y)
+        bar.set_postfix(loss=f"{loss_sum / seen:.3f}", lr=f"{optimizer.param_groups[0]['lr']:.3g}")
+    bar.close()
+    elapsed = time.perf_counter() - start
+    record: dict[str, Any] = {
+        "epoch": epoch + 1, "lr": lr, "train_loss": loss_sum / seen, "train_top1": correct / seen,
+        "epoch_time_s": elapsed, "throughput_img_s": seen / elapsed,
+    }
+    if cos_sums:
+        per_layer = {n: sum(v) / len(v) for n, v in cos_sums.items()}
+        record["grad_cosine_mean"] = sum(per_layer.values()) / len(per_layer)
+        record["grad_cosine"] = per_layer
+    return record
+
+
+def summarize(cfg: DictConfig, history: list[dict[str, Any]], memory: dict[str, Any]) -> dict[str, Any]:
+    best = max(history, key=lambda h: h["val_top1"])
+    last = history[-1]
+    return {
+        "model": cfg.model.name, "dataset": cfg.dataset.name,
+        "compression": cfg.compression.get("name"), "seed": int(cfg.seed),
+        "epochs": len(history),
+        "final_top1": last["val_top1"], "final_top5": last["val_top5"], "final_val_loss": last["val_loss"],
+        "final_train_loss": last["train_loss"],
+        "best_top1": best["val_top1"], "best_top5": best["val_top5"], "best_epoch": best["epoch"],
+        **memory,
+        "train_time_s": sum(h["epoch_time_s"] for h in history),
+        "history": history,
+    }
+
+
+def _wandb_names(record: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"epoch": record["epoch"], "lr": record["lr"]}
+    for k, v in record.items():
+        if k.startswith(("train_", "val_")):
+            split, _, metric = k.partition("_")
+            out[f"{split}/{metric}"] = v
+        elif k in ("epoch_time_s", "throughput_img_s"):
+            out[f"time/{k}"] = v
+        elif k == "grad_cosine_mean":
+            out["train/grad_cosine_mean"] = v
+    return out
+
+
+def _check_compatible(saved: dict[str, Any], cfg: DictConfig) -> None:
+    now = OmegaConf.to_container(cfg, resolve=True)
+    for key in ("model", "compression", "optimizer", "scheduler", "batch_size", "seed"):
+        if key in saved and saved[key] != now.get(key):
+            raise ValueError(f"resume: {key} differs from the checkpoint's ({saved[key]} vs {now.get(key)})")
+
+
+@contextlib.contextmanager
+def _open_struct(cfg: DictConfig):
+    # Configs from compose() are in struct mode; out_dir may be absent in hand-built ones.
+    struct = OmegaConf.is_struct(cfg)
+    OmegaConf.set_struct(cfg, False)
+    try:
+        yield
+    finally:
+        OmegaConf.set_struct(cfg, struct)
+
+
+if __name__ == "__main__":
+    from lessmem.cli import train_main
+
+    train_main()
