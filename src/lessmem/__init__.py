@@ -7,20 +7,24 @@ in ``lessmem.train``, ``lessmem.sensitivity`` and ``lessmem.search`` and is impo
 from lessmem import compress  # callable module: lessmem.compress(model, mapping)
 from lessmem.compress import (
     LayerSpec,
+    CoverageReport,
     MemoryReport,
     compressed_layers,
     compressible_layers,
+    coverage,
     measure_memory,
     uncompress,
 )
 
 __version__ = "0.1.0"
 __all__ = [
+    "CoverageReport",
     "LayerSpec",
     "MemoryReport",
     "compress",
     "compressed_layers",
     "compressible_layers",
+    "coverage",
     "measure_memory",
     "uncompress",
 ]

@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from .coverage import CoverageReport, coverage
 from .mapping import compressible_layers, parse_spec, resolve_mapping
 from .memory import MemoryReport, measure_memory
 from .modules import (
@@ -31,12 +32,14 @@ from .modules import (
 from .storage import STORAGES, check_storage
 
 __all__ = [
+    "CoverageReport",
     "LayerSpec",
     "MemoryReport",
     "STORAGES",
     "compress",
     "compressed_layers",
     "compressible_layers",
+    "coverage",
     "measure_memory",
     "parse_spec",
     "resolve_mapping",

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 @dataclass
 class SavedTensor:
+    key: tuple[str, int]  # (device, storage address): one record per storage
     layer: str
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -82,7 +83,7 @@ def saved_tensors_of(model: nn.Module, run: Callable[[], object]) -> tuple[list[
             key = _storage_key(t)
             if key not in excluded and key not in records and key[1] != 0:
                 nbytes = t.untyped_storage().nbytes()
-                records[key] = SavedTensor(stack[-1], tuple(t.shape), t.dtype, nbytes)
+                records[key] = SavedTensor(key, stack[-1], tuple(t.shape), t.dtype, nbytes)
                 keep_alive.append(t)
         return t
 

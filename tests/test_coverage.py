@@ -1,0 +1,64 @@
+"""Coverage report: what stays full size, checked against an independent saved-tensor count."""
+
+from __future__ import annotations
+
+import torch
+import torchvision
+from torch import nn
+
+import lessmem
+
+
+def independent_saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    del out
+    return sum(storages.values())
+
+
+def test_resnet18_coverage_pool2():
+    model = lessmem.compress(torchvision.models.resnet18(num_classes=10), {"*": 2})
+    x = torch.randn(2, 3, 64, 64)
+    report = lessmem.coverage(model, x)
+    convs = {n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)}
+    norms = {n for n, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)}
+    conv_rows = [r for r in report.rows if r.layer in convs]
+    norm_inputs = [r for r in report.rows if r.layer in norms and len(r.shape) == 4]
+    # every conv input pooled (downsample convs share their block's pooled input: counted once)
+    assert {r.layer for r in conv_rows} | {n for n in convs if "downsample" in n} == convs
+    assert all(r.compressed and r.how == "pooled 2x2" for r in conv_rows)
+    # every BatchNorm input kept full, and said why
+    assert {r.layer for r in norm_inputs} == norms
+    assert all(not r.compressed and "exact backward" in r.why for r in norm_inputs)
+    assert report.total_bytes == independent_saved_bytes(model, x)
+    assert report.stock_bytes == independent_saved_bytes(lessmem.uncompress(model), x)
+    s = report.summary()
+    assert s["floor_bytes"] < s["total_bytes"] < s["stock_bytes"]
+    assert "FULL: BatchNorm input" in report.table()
+
+
+def test_functional_calls_are_listed():
+    class Functional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x):
+            return torch.relu(self.conv(x)).sum(dim=(2, 3))
+
+    model = lessmem.compress(Functional(), {"*": 2})
+    report = lessmem.coverage(model, torch.randn(2, 3, 8, 8))
+    functional = report.functional_calls()
+    assert [r.op for r in functional] == ["ReluBackward0"]
+    assert functional[0].layer == "(model)"
+    assert "not reachable by a map" in report.table()
