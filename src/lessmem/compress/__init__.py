@@ -26,6 +26,7 @@ from .modules import (
     COMPRESSIBLE,
     EXACT_COMPANIONS,
     STOCK_OF,
+    STORED_ACTIVATIONS,
     LayerSpec,
     StoredBatchNorm2d,
 )
@@ -61,6 +62,7 @@ def compress(
     *,
     exact_companions: bool = True,
     norm_storage: str | Mapping[str, str] = "native",
+    act_storage: str | Mapping[str, str] = "native",
 ) -> nn.Module:
     """Compress ``model`` in place and return it.
 
@@ -73,14 +75,18 @@ def compress(
         full-size tensors that pooling was meant to drop.
     norm_storage: ``"native"`` (exact), ``"bf16"`` or ``"int8"`` storage for BatchNorm2d inputs,
         globally or as ``{pattern: storage}``. Lossy: the input gradient becomes approximate.
+    act_storage: the same for GELU / SiLU inputs (transformer MLPs). Lossy, opt-in.
     """
     uncompress(model)
     for name, spec in resolve_mapping(model, mapping).items():
         module = model.get_submodule(name)
         if spec.exact:
             continue
-        if spec.kernel[0] != spec.kernel[1] and type(module) is nn.Linear:
-            raise ValueError(f"layer {name!r} is Linear: give one token-pooling size, not {spec.kernel}")
+        if spec.kernel[0] != spec.kernel[1] and type(module) in (nn.Linear, nn.MultiheadAttention):
+            raise ValueError(
+                f"layer {name!r} is {type(module).__name__}: it pools tokens, give one size, "
+                f"not {spec.kernel}"
+            )
         _swap(module, COMPRESSIBLE[type(module)])
         module.lessmem_spec = spec
     if exact_companions:
@@ -91,17 +97,28 @@ def compress(
         module = model.get_submodule(name)
         _swap(module, StoredBatchNorm2d)
         module.lessmem_storage = storage
+    activations = tuple(STORED_ACTIVATIONS)
+    for name, storage in _norm_storages(model, act_storage, activations, "act_storage").items():
+        module = model.get_submodule(name)
+        _swap(module, STORED_ACTIVATIONS[type(module)])
+        module.lessmem_storage = storage
     return model
 
 
-def _norm_storages(model: nn.Module, norm_storage: str | Mapping[str, str]) -> dict[str, str]:
-    norms = [n for n, m in model.named_modules() if type(m) is nn.BatchNorm2d]
+def _norm_storages(
+    model: nn.Module,
+    norm_storage: str | Mapping[str, str],
+    kinds: tuple[type[nn.Module], ...] = (nn.BatchNorm2d,),
+    option: str = "norm_storage",
+) -> dict[str, str]:
+    norms = [n for n, m in model.named_modules() if type(m) in kinds]
     rules = {"*": norm_storage} if isinstance(norm_storage, str) else dict(norm_storage)
     chosen: dict[str, str] = {}
     for pattern, storage in rules.items():
         check_storage(str(storage))
         if not any(fnmatch.fnmatchcase(n, pattern) for n in norms) and pattern != "*":
-            raise ValueError(f"norm_storage pattern {pattern!r} matches no BatchNorm2d; have {norms}")
+            kind = "/".join(k.__name__ for k in kinds)
+            raise ValueError(f"{option} pattern {pattern!r} matches no {kind}; have {norms}")
     for name in norms:
         for pattern, storage in rules.items():
             if fnmatch.fnmatchcase(name, pattern):

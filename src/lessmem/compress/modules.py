@@ -166,18 +166,30 @@ class StoredBatchNorm2d(nn.BatchNorm2d):
             )
 
 
+# Transformer layers live in their own module, which builds on the helpers above.
+from .transformer import (  # noqa: E402
+    STORED_ACTIVATIONS,
+    CompressedMultiheadAttention,
+    PackedDropout,
+)
+
 # Stock class -> compressed class. Only these exact types are swapped: a user subclass may
 # override forward, and silently replacing that would change the model.
 COMPRESSIBLE: dict[type[nn.Module], type[nn.Module]] = {
     nn.Conv2d: CompressedConv2d,
     nn.Linear: CompressedLinear,
+    nn.MultiheadAttention: CompressedMultiheadAttention,
 }
 EXACT_COMPANIONS: dict[type[nn.Module], type[nn.Module]] = {
     nn.ReLU: PackedReLU,
     nn.ReLU6: PackedReLU6,
     nn.Hardtanh: PackedHardtanh,
     nn.MaxPool2d: CompactMaxPool2d,
+    nn.Dropout: PackedDropout,
 }
 STOCK_OF: dict[type[nn.Module], type[nn.Module]] = {
-    v: k for k, v in {**COMPRESSIBLE, **EXACT_COMPANIONS, nn.BatchNorm2d: StoredBatchNorm2d}.items()
+    v: k
+    for k, v in {
+        **COMPRESSIBLE, **EXACT_COMPANIONS, **STORED_ACTIVATIONS, nn.BatchNorm2d: StoredBatchNorm2d
+    }.items()
 }
