@@ -5,6 +5,7 @@ buffers excluded), with ``lessmem.measure_memory``. Runs on the CPU in minutes.
 
     python benchmarks/memory.py                       # resnet18, resnet50, mobilenet_v2; batch 32, 224x224
     python benchmarks/memory.py --models resnet18 --batch 8 --csv out.csv
+    python benchmarks/memory.py --models vit_b_16     # transformer configs (VIT_CONFIGS)
 """
 
 from __future__ import annotations
@@ -30,9 +31,23 @@ CONFIGS: dict[str, tuple[dict | None, dict, str]] = {
     "4x4 + int8 BN": ({"*": 4}, {"norm_storage": "int8"}, "approximate BN input"),
 }
 
+# Transformers: linear inputs pooled over k tokens inside the encoder blocks (attention
+# in-projection, MLP linears); patch embedding and head exact. Dropout masks as bits (k=1).
+VIT_CONFIGS: dict[str, tuple[dict | None, dict, str]] = {
+    "k=1": ({"*": 1}, {}, "exact: nothing pooled"),
+    "tokens 2": ({"encoder.layers.*": 2}, {}, "exact error propagation"),
+    "tokens 4": ({"encoder.layers.*": 4}, {}, "exact error propagation"),
+    "tokens 2 + bf16 GELU": ({"encoder.layers.*": 2}, {"act_storage": "bf16"}, "approximate GELU input"),
+    "tokens 4 + bf16 GELU": ({"encoder.layers.*": 4}, {"act_storage": "bf16"}, "approximate GELU input"),
+}
+
 
 def build(name: str) -> torch.nn.Module:
     return getattr(torchvision.models, name)(num_classes=1000)
+
+
+def configs_of(name: str) -> dict[str, tuple[dict | None, dict, str]]:
+    return VIT_CONFIGS if name.startswith("vit") else CONFIGS
 
 
 def measure(name: str, batch: int, size: int, configs: list[str]) -> list[dict]:
@@ -42,7 +57,7 @@ def measure(name: str, batch: int, size: int, configs: list[str]) -> list[dict]:
     base = lessmem.measure_memory(stock, x).total_bytes
     rows = [dict(model=name, config="stock PyTorch", saved_mib=base / 2**20, ratio=1.0, note="")]
     for cfg in configs:
-        mapping, kwargs, note = CONFIGS[cfg]
+        mapping, kwargs, note = configs_of(name)[cfg]
         model = lessmem.compress(copy.deepcopy(stock), mapping, **kwargs)
         saved = lessmem.measure_memory(model, x).total_bytes
         rows.append(dict(model=name, config=cfg, saved_mib=saved / 2**20, ratio=saved / base, note=note))
@@ -56,7 +71,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["resnet18", "resnet50", "mobilenet_v2"])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--size", type=int, default=224)
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS) + list(VIT_CONFIGS),
+                        help="default: every config of the model's kind (CNN or ViT)")
     parser.add_argument("--csv", help="also write the table as CSV here")
     args = parser.parse_args()
 
@@ -66,7 +82,8 @@ def main() -> None:
     print("| model | config | saved MiB | ratio to stock | note |")
     print("|---|---|---|---|---|")
     for name in args.models:
-        for row in measure(name, args.batch, args.size, args.configs):
+        configs = [c for c in args.configs or configs_of(name) if c in configs_of(name)]
+        for row in measure(name, args.batch, args.size, configs):
             rows.append(row)
             print(f"| {row['model']} | {row['config']} | {row['saved_mib']:.1f} | {row['ratio']:.3f} | {row['note']} |",
                   flush=True)

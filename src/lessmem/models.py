@@ -10,6 +10,8 @@ import torch.nn.functional as F
 import torchvision
 from torch import Tensor, nn
 
+from lessmem import vit
+
 
 class ShortcutA(nn.Module):
     """He et al. (2016) option A: subsample spatially and zero-pad the new channels (no weights)."""
@@ -105,6 +107,8 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "resnet20": resnet20,
     "resnet18_cifar": resnet18_cifar,
     **{n: _torchvision(n) for n in ("resnet18", "resnet34", "resnet50", "vgg11_bn", "mobilenet_v2")},
+    "vit_b_16": vit.vit_b_16,
+    "vit_tiny_cifar": vit.vit_tiny_cifar,
 }
 
 
