@@ -42,16 +42,17 @@ class TensorImages:
 # --------------------------------------------------------------------------- files and subsets
 
 
-def scan_image_folder(root: Path) -> tuple[list[Path], list[int], list[str]]:
-    """ImageFolder layout ``root/<class>/*.jpg``; sorted so indices are stable across machines."""
+def scan_image_folder(root: Path) -> tuple[list[str], list[int], list[str]]:
+    """ImageFolder layout ``root/<class>/*.jpg``; sorted so indices are stable across machines.
+    Plain strings: building 60k Path objects costs more than the scan itself."""
     classes = sorted(d.name for d in os.scandir(root) if d.is_dir())
     if not classes:
         raise FileNotFoundError(f"no class folders in {root} (expected {root}/<class>/*.jpg)")
-    files: list[Path] = []
+    files: list[str] = []
     labels: list[int] = []
     for label, cls in enumerate(classes):
         names = sorted(e.name for e in os.scandir(root / cls) if e.name.lower().endswith(IMAGE_EXTS))
-        files += [root / cls / n for n in names]
+        files += [os.path.join(root, cls, n) for n in names]
         labels += [label] * len(names)
     return files, labels, classes
 
@@ -78,7 +79,7 @@ def balanced_subset(labels: Sequence[int], size: int | None, seed: int = 0) -> l
 # --------------------------------------------------------------------------- decoding and cache
 
 
-def _decode(path: Path, size: int | None) -> np.ndarray:
+def _decode(path: str, size: int | None) -> np.ndarray:
     from PIL import Image
 
     with Image.open(path) as im:
@@ -88,7 +89,7 @@ def _decode(path: Path, size: int | None) -> np.ndarray:
         return np.asarray(im, dtype=np.uint8)
 
 
-def decode_files(files: Sequence[Path], size: int | None, desc: str) -> Tensor:
+def decode_files(files: Sequence[str], size: int | None, desc: str) -> Tensor:
     """Decode images into one uint8 (N, 3, H, W) tensor, with a progress bar."""
     with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) * 2)) as pool:
         arrays = list(

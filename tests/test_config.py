@@ -1,0 +1,186 @@
+"""Compose every option of every Hydra config group and build what it describes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from lessmem.data import build_datasets, build_loaders
+from lessmem.loggers import CsvLogger, Logger, build_logger
+from lessmem.models import MODELS, build_model
+from lessmem.paths import conf_dir
+from lessmem.train import build_optimizer, build_scheduler, compression_map
+
+CONF = conf_dir()
+CIFAR = Path(__file__).parents[1].parent / "shared/data/cifar10"
+# Big ImageNet-style nets get one forward at 32x32 only (enough to catch wiring errors, fast).
+SMALL_INPUT = 32
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def groups() -> list[str]:
+    return sorted(p.name for p in CONF.iterdir() if p.is_dir())
+
+
+@pytest.fixture(autouse=True)
+def hydra_ctx():
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        yield
+
+
+def test_default_config_composes() -> None:
+    cfg = compose("train")
+    assert cfg.model.name == "resnet20" and cfg.dataset.name == "cifar10"
+    assert cfg.compression.name == "none" and cfg.logger.name == "wandb" and cfg.logger.mode == "offline"
+    assert cfg.out_dir is None and cfg.resume is False
+    OmegaConf.to_container(cfg, resolve=True)  # no `hydra:` interpolation outside the CLI
+
+
+def test_every_group_has_options() -> None:
+    expected = {"model", "dataset", "compression", "optimizer", "scheduler", "logger", "experiment"}
+    assert expected <= set(groups())
+    for g in expected:
+        assert options(g), g
+
+
+@pytest.mark.parametrize("name", options("model"))
+def test_model_option_builds_and_runs(name: str) -> None:
+    cfg = compose("train", overrides=[f"model={name}"])
+    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
+    model = build_model(cfg.model.name, **kwargs).eval()
+    with torch.no_grad():
+        out = model(torch.randn(2, 3, SMALL_INPUT, SMALL_INPUT))
+    assert out.shape == (2, cfg.dataset.num_classes)
+
+
+def test_models_registry_covers_configs_and_rejects_unknown() -> None:
+    assert set(options("model")) <= set(MODELS)
+    with pytest.raises(ValueError, match="unknown model 'nope'.*resnet20"):
+        build_model("nope", 10)
+
+
+def test_resnet20_shape() -> None:
+    model = build_model("resnet20", 10)
+    assert 0.26e6 < sum(p.numel() for p in model.parameters()) < 0.28e6  # He et al.: 0.27M
+    assert any(isinstance(m, torch.nn.ReLU) for m in model.modules())
+    b = build_model("resnet20", 10, shortcut="B")
+    assert sum(p.numel() for p in b.parameters()) > sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", options("dataset"))
+def test_dataset_option(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LESSMEM_CACHE", str(tmp_path / "cache"))
+    over = [f"dataset={name}", "dataset.train_subset=20", "dataset.val_subset=10"]
+    if name == "imagenet":
+        over.append(f"dataset.root={tmp_path / 'missing'}")
+    cfg = compose("train", overrides=over)
+    assert cfg.model.num_classes == cfg.dataset.num_classes
+    if name == "imagenet":  # no ImageNet on these machines: the error must say where to put it
+        with pytest.raises(FileNotFoundError, match="ImageFolder layout"):
+            build_datasets(cfg.dataset)
+        return
+    if name == "cifar10" and not CIFAR.is_dir():
+        pytest.skip(f"CIFAR-10 not found at {CIFAR}")
+    train_loader, val_loader = build_loaders(cfg.dataset, 8, 16, seed=0)
+    x, y = next(iter(train_loader))
+    size = cfg.dataset.image_size
+    assert x.shape == (8, 3, size, size) and x.dtype == torch.float32 and y.shape == (8,)
+    assert len(train_loader.data) == 20 and len(val_loader.data) == 10
+    assert abs(x.mean().item()) < 1.5  # normalized
+
+
+@pytest.mark.parametrize("name", options("compression"))
+def test_compression_option_applies(name: str) -> None:
+    import lessmem
+
+    cfg = compose("train", overrides=[f"compression={name}"])
+    mapping = compression_map(cfg.compression)
+    model_name = "resnet18_cifar" if "resnet18" in name else "resnet20"
+    model = build_model(model_name, 10)
+    lessmem.compress(model, mapping, norm_storage=cfg.compression.norm_storage,
+                     exact_companions=cfg.compression.exact_companions)
+    assert bool(lessmem.compressed_layers(model)) == bool(mapping)
+    x = torch.randn(2, 3, 32, 32)
+    model(x).sum().backward()
+
+
+def test_paper_map_uses_coarser_downsample() -> None:
+    import lessmem
+
+    cfg = compose("train", overrides=["compression=paper_resnet18"])
+    model = lessmem.compress(build_model("resnet18_cifar", 10), compression_map(cfg.compression))
+    layers = lessmem.compressed_layers(model)
+    assert layers["layer2.0.downsample.0"].kernel == (4, 4)
+    assert layers["conv1"].kernel == (2, 2) and layers["layer1.0.conv1"].kernel == (2, 2)
+    assert "fc" not in layers
+
+
+@pytest.mark.parametrize("wrapped", [True, False])
+def test_map_file_overrides_map(tmp_path: Path, wrapped: bool) -> None:
+    body = '"layer1.*": 4\n"*": 2\n'
+    text = "map:\n" + "".join("  " + line + "\n" for line in body.splitlines()) if wrapped else body
+    path = tmp_path / "map.yaml"
+    path.write_text(text)
+    cfg = compose("train", overrides=["compression=pool4", f"compression.map_file={path}"])
+    assert compression_map(cfg.compression) == {"layer1.*": 4, "*": 2}
+
+
+@pytest.mark.parametrize("name", options("optimizer"))
+def test_optimizer_option(name: str) -> None:
+    cfg = compose("train", overrides=[f"optimizer={name}"])
+    opt = build_optimizer(cfg.optimizer, build_model("resnet20", 10).parameters())
+    assert opt.param_groups[0]["lr"] == cfg.optimizer.lr
+
+
+@pytest.mark.parametrize("name", options("scheduler"))
+def test_scheduler_option(name: str) -> None:
+    cfg = compose("train", overrides=[f"scheduler={name}", "scheduler.warmup_epochs=1"])
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = build_scheduler(cfg.scheduler, opt, epochs=4, steps_per_epoch=10)
+    lrs = []
+    for _ in range(40):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)  # linear warmup
+    assert lrs[-1] < 1.0 if name == "cosine" else lrs[-1] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("name", options("logger"))
+def test_logger_option(name: str, tmp_path: Path) -> None:
+    cfg = compose("train", overrides=[f"logger={name}"])
+    if cfg.logger.name == "wandb":  # the offline/online init itself is covered in test_train
+        assert cfg.logger.mode in ("offline", "online") and cfg.logger.project == "lessmem"
+        cfg.logger.mode = "disabled"
+    logger = build_logger(cfg, tmp_path)
+    assert isinstance(logger, Logger)
+    logger.log({"epoch": 1, "val/top1": 0.5})
+    logger.finish()
+    if isinstance(logger, CsvLogger):
+        assert (tmp_path / "metrics.csv").read_text().splitlines()[0] == "epoch,val/top1"
+
+
+@pytest.mark.parametrize("name", options("experiment"))
+def test_experiment_option(name: str) -> None:
+    cfg = compose("train", overrides=[f"experiment={name}"])
+    base = compose("train")
+    assert cfg != base
+    build_model(cfg.model.name, cfg.model.num_classes)
+    compression_map(cfg.compression)
+    if name == "cpu_quick":
+        assert cfg.epochs == 1 and cfg.dataset.train_subset == 2000 and cfg.logger.name == "disabled"
+        assert cfg.model.name == "resnet20" and cfg.batch_size == 64
+    if name == "paper_resnet18":
+        assert cfg.epochs == 200 and cfg.model.name == "resnet18_cifar"
+
+
+def test_conf_dir_env_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("LESSMEM_CONF", str(tmp_path))
+    assert conf_dir() == tmp_path.resolve()

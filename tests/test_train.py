@@ -1,0 +1,187 @@
+"""CPU runs of lessmem.train.run on tiny data: outputs, determinism, resume, errors, CLI sweeps, W&B."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import lessmem.train as train_mod
+from lessmem.paths import conf_dir
+from lessmem.train import TIME_KEYS, run
+
+REPO = Path(__file__).parents[1]
+CIFAR = Path(__file__).parents[1].parent / "shared/data/cifar10"
+needs_cifar = pytest.mark.skipif(not CIFAR.is_dir(), reason=f"CIFAR-10 not found at {CIFAR}")
+# 64 train images in 2 steps of 32, 32 val images: a few seconds per epoch on 2 cores.
+TINY = [
+    "model=resnet20", "logger=disabled", "compression=pool2", "device=cpu",
+    f"dataset.root={CIFAR}", "dataset.train_subset=64", "dataset.val_subset=32",
+    "batch_size=32", "eval_batch_size=32", "memory_batch=4", "epochs=2",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _env(tmp_path_factory: pytest.TempPathFactory):
+    # Tiny subsets decode only their own files into a throwaway cache.
+    old = {k: os.environ.get(k) for k in ("LESSMEM_CACHE", "WANDB_SILENT")}
+    os.environ["LESSMEM_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    os.environ["WANDB_SILENT"] = "true"
+    yield
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def make_cfg(out_dir: Path, *overrides: str):
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return compose("train", overrides=[*TINY, f"out_dir={out_dir}", *overrides])
+
+
+def comparable(metrics: dict) -> dict:
+    """Metrics without wall-clock fields."""
+    out = {k: v for k, v in metrics.items() if k not in TIME_KEYS}
+    out["history"] = [{k: v for k, v in h.items() if k not in TIME_KEYS} for h in metrics["history"]]
+    return out
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    if not CIFAR.is_dir():
+        pytest.skip(f"CIFAR-10 not found at {CIFAR}")
+    out = tmp_path_factory.mktemp("straight")
+    return out, run(make_cfg(out, "grad_cosine_every=2"))
+
+
+@needs_cifar
+def test_smoke_outputs(straight: tuple[Path, dict]) -> None:
+    out, metrics = straight
+    for name in ("config.yaml", "metrics.jsonl", "checkpoint.pt", "metrics.json", "grad_cosine.jsonl"):
+        assert (out / name).is_file(), name
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved == json.loads(json.dumps(metrics))
+    assert saved["epochs"] == 2 and len(saved["history"]) == 2
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    for key in ("final_top1", "final_top5", "best_top1"):
+        assert 0.0 <= saved[key] <= 1.0
+    assert saved["final_top5"] >= saved["final_top1"]
+    assert 0 < saved["saved_bytes"] < saved["stock_saved_bytes"] and 0 < saved["ratio"] < 1
+    assert saved["train_time_s"] > 0 and saved["history"][0]["throughput_img_s"] > 0
+    h = saved["history"][0]
+    assert h["lr"] == pytest.approx(0.1) and saved["history"][1]["lr"] < 0.1  # cosine
+    assert 0.0 < h["grad_cosine_mean"] <= 1.0 + 1e-5 and "layer1.0.conv1" in h["grad_cosine"]
+
+
+@needs_cifar
+def test_same_seed_same_metrics(straight: tuple[Path, dict], tmp_path: Path) -> None:
+    again = run(make_cfg(tmp_path, "grad_cosine_every=2"))
+    assert comparable(again) == comparable(straight[1])
+
+
+@needs_cifar
+def test_resume_after_interruption_matches_straight_run(
+    straight: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = {"n": 0}
+    evaluate = train_mod.evaluate
+
+    def crash_in_epoch_2(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("simulated interruption")
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "evaluate", crash_in_epoch_2)
+    with pytest.raises(KeyboardInterrupt):
+        run(make_cfg(tmp_path, "grad_cosine_every=2"))
+    assert not (tmp_path / "metrics.json").exists()
+    assert (tmp_path / "checkpoint.pt").is_file()
+    monkeypatch.setattr(train_mod, "evaluate", evaluate)
+    resumed = run(make_cfg(tmp_path, "grad_cosine_every=2", "resume=true"))
+    assert comparable(resumed) == comparable(straight[1])
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+@needs_cifar
+def test_resume_extends_finished_run(straight: tuple[Path, dict], tmp_path: Path) -> None:
+    run(make_cfg(tmp_path, "epochs=1", "scheduler=none"))
+    more = run(make_cfg(tmp_path, "epochs=2", "scheduler=none", "resume=true"))
+    assert [h["epoch"] for h in more["history"]] == [1, 2]
+
+
+@needs_cifar
+@pytest.mark.parametrize(
+    ("overrides", "error", "match"),
+    [
+        (["model.name=nope"], ValueError, "unknown model 'nope'; available: .*resnet20"),
+        (["dataset.root=/nonexistent/cifar10"], FileNotFoundError, "ImageFolder layout.*download=true"),
+        (["+compression.map.nolayer=2"], ValueError, "does not fit model 'resnet20'.*'nolayer'.*match no"),
+        (["compression=none", "++compression.map={conv1: 0}"], ValueError, "kernel size 0 must be >= 1"),
+        (["resume=true"], FileNotFoundError, "no checkpoint at"),
+        (["precision=fp16"], ValueError, "fp16 needs CUDA"),
+    ],
+)
+def test_clear_errors(tmp_path: Path, overrides: list[str], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        run(make_cfg(tmp_path, *overrides))
+
+
+@needs_cifar
+def test_bf16_and_map_file(tmp_path: Path) -> None:
+    map_file = tmp_path / "map.yaml"
+    map_file.write_text('map:\n  "layer3.*": 4\n  "*": 2\n')
+    m = run(make_cfg(tmp_path / "run", "precision=bf16", "epochs=1", "max_steps_per_epoch=2",
+                     f"compression.map_file={map_file}", "logger=csv"))
+    assert m["epochs"] == 1 and m["ratio"] < 1
+    assert (tmp_path / "run" / "metrics.csv").is_file()
+
+
+def _cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "disabled", "HYDRA_FULL_ERROR": "1"}
+    return subprocess.run([sys.executable, "-m", "lessmem.train", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_multirun_over_compression(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    args = ["-m", "compression=none,pool2,pool4", "dataset=synthetic", "dataset.size=32",
+            "dataset.val_size=16", "batch_size=16", "memory_batch=4", "epochs=1", "logger=disabled",
+            "device=cpu", f"hydra.sweep.dir={sweep}"]
+    proc = _cli(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = sorted(sweep.glob("*/metrics.json"))
+    assert len(results) == 3, proc.stdout + proc.stderr[-2000:]
+    by_name = {json.loads(p.read_text())["compression"]: json.loads(p.read_text()) for p in results}
+    assert set(by_name) == {"none", "pool2", "pool4"}
+    assert by_name["none"]["ratio"] == 1.0
+    assert by_name["pool4"]["saved_bytes"] < by_name["pool2"]["saved_bytes"] < by_name["none"]["saved_bytes"]
+
+
+def test_cli_unknown_group_option_is_clear(tmp_path: Path) -> None:
+    proc = _cli(["compression=nope"], tmp_path)
+    assert proc.returncode != 0 and "Could not find 'compression/nope'" in proc.stderr
+
+
+def test_wandb_offline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")  # CI exports WANDB_MODE=disabled
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
+    out = tmp_path / "run"
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=[
+            "logger=wandb", "logger.mode=offline", "dataset=synthetic", "dataset.size=32",
+            "dataset.val_size=16", "batch_size=16", "memory_batch=4", "epochs=1", "device=cpu",
+            f"out_dir={out}",
+        ])
+    metrics = run(cfg)
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list(out.rglob("*"))[:20]
+    assert (out / "wandb_id.txt").read_text().strip() in runs[0].name
+    assert any(runs[0].glob("*.wandb"))
+    assert metrics["epochs"] == 1
