@@ -1,0 +1,404 @@
+"""Optuna search over per-layer (or per-group) compression maps.
+
+    lessmem-search --config sweeps/fidelity_resnet18_cifar.yaml [key=value ...]
+
+Objectives (both also minimize the conv-input bytes kept for backward):
+  fidelity  maximize the mean weight-gradient cosine over conv layers. No training: it is read
+            from one SensitivityResult computed once on fixed real batches. Valid because the
+            input gradient is exact under compression, so each layer's output gradient, and hence
+            its compressed weight gradient, does not depend on the other layers' kernels.
+  accuracy  maximize validation top-1 after a short ``lessmem.train.run``.
+
+Memory is counted per layer from the same SensitivityResult (shared inputs stored once, as the
+core does); its differences between maps equal those of ``lessmem.measure_memory`` (tested).
+
+The study lives in an Optuna journal file: rerunning the same command resumes it and runs only the
+trials still missing (``n_trials`` counts complete + pruned ones). Every trial writes its composed
+train config and its map, so it can be re-run as a plain ``lessmem-train`` run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import optuna
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from lessmem.sensitivity import (
+    SensitivityResult,
+    build_model_from_cfg,
+    compose_config,
+    fixed_batches,
+    group_layers,
+    load_checkpoint,
+    sensitivity,
+    write_map_yaml,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULTS: dict[str, Any] = {
+    "study_name": "lessmem_search",
+    "objective": "fidelity",        # fidelity | accuracy
+    "mode": "pareto",               # pareto: NSGA-II on (bytes, score) | budget: max score s.t. bytes
+    "n_trials": 50,
+    "seed": 0,
+    "kernels": [1, 2, 4, 8],
+    "groups": None,                 # fnmatch patterns, one kernel per pattern; None: per layer
+    "budget": 0.25,                 # mode=budget: fraction of all-k=1 conv-input bytes (bytes if > 1)
+    "population_size": 20,          # NSGA-II
+    "seed_sensitivity_budget": 0.25,  # budget of the greedy sensitivity map enqueued as a seed
+    "out_dir": "outputs/search/${study_name}",
+    "storage": "${out_dir}/study.journal",
+    "base_overrides": ["logger=disabled"],
+    "score_key": "best_top1",       # accuracy: which metrics.json entry is the score
+    "sensitivity": {"batches": 4, "batch_size": 32, "split": "train", "checkpoint": None},
+}
+
+
+# --------------------------------------------------------------------------- config
+
+
+def load_sweep(path: str | Path | None, overrides: Sequence[str] = ()) -> DictConfig:
+    """DEFAULTS <- sweep YAML <- ``key=value`` overrides; interpolations resolved."""
+    cfg = OmegaConf.create(DEFAULTS)
+    if path is not None:
+        cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+    unknown = set(cfg) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown sweep keys {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+    if cfg.objective not in ("fidelity", "accuracy"):
+        raise ValueError(f"objective must be 'fidelity' or 'accuracy', got {cfg.objective!r}")
+    if cfg.mode not in ("pareto", "budget"):
+        raise ValueError(f"mode must be 'pareto' or 'budget', got {cfg.mode!r}")
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+def trial_config(base: DictConfig, kmap: Mapping[str, int], name: str, out_dir: Path) -> DictConfig:
+    """The composed train config with the trial's map put into ``compression.map`` (a dict is
+    awkward as an override string, so it is set through OmegaConf)."""
+    cfg = base.copy()
+    with open_dict(cfg):
+        cfg.compression.map = {str(k): int(v) for k, v in kmap.items()}
+        cfg.compression.map_file = None
+        cfg.compression.name = name
+        cfg.compression.norm_storage = "native"
+        cfg.compression.exact_companions = True
+        cfg.out_dir = str(out_dir)
+    return cfg
+
+
+# --------------------------------------------------------------------------- sensitivity (once)
+
+
+def study_sensitivity(sweep: DictConfig, base: DictConfig, out_dir: Path) -> SensitivityResult:
+    """Computed once per study and cached next to it, so resumed trials see the same numbers."""
+    cache = out_dir / "sensitivity" / "sensitivity.json"
+    if cache.exists():
+        return SensitivityResult.load(cache)
+    opts = sweep.sensitivity
+    import torch
+
+    torch.manual_seed(int(base.get("seed", 0)))
+    model = build_model_from_cfg(base)
+    if opts.get("checkpoint"):
+        load_checkpoint(model, opts.checkpoint)
+    batches = fixed_batches(base, int(opts.batches), int(opts.batch_size), str(opts.split), int(base.get("seed", 0)))
+    result = sensitivity(model.train(), batches, list(sweep.kernels), progress=True)
+    result.meta.update({"model": str(base.model.name), "dataset": str(base.dataset.name),
+                        "batch_size": int(opts.batch_size), "weights": str(opts.get("checkpoint") or "random init")})
+    result.save(cache.parent)
+    return result
+
+
+# --------------------------------------------------------------------------- study
+
+
+def _param(unit: str) -> str:
+    return f"k:{unit}"
+
+
+def suggest_map(trial: optuna.Trial, units: Mapping[str, list[str]], kernels: Sequence[int]) -> dict[str, int]:
+    kmap: dict[str, int] = {}
+    for unit, layers in units.items():
+        k = trial.suggest_categorical(_param(unit), list(kernels))
+        kmap.update(dict.fromkeys(layers, int(k)))
+    return kmap
+
+
+def seed_maps(result: SensitivityResult, units: Mapping[str, list[str]], sweep: DictConfig) -> dict[str, dict[str, int]]:
+    """Uniform 1/2/4 maps and the greedy sensitivity map, as unit -> kernel params."""
+    seeds = {f"uniform_{k}": dict.fromkeys(units, k) for k in (1, 2, 4) if k in sweep.kernels}
+    greedy = result.make_map(budget_bytes=float(sweep.seed_sensitivity_budget), groups=sweep.groups)
+    seeds["sensitivity"] = {u: greedy[layers[0]] for u, layers in units.items()}
+    return seeds
+
+
+def open_study(sweep: DictConfig, storage_path: Path) -> optuna.Study:
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    storage_path.parent.mkdir(parents=True, exist_ok=True)
+    storage = JournalStorage(JournalFileBackend(str(storage_path)))
+    # Offset the sampler seed by the trials already stored: a resumed study must not replay the
+    # first generation's random proposals.
+    existing = _n_existing(storage, sweep.study_name)
+    seed = int(sweep.seed) + existing
+    if sweep.mode == "pareto":
+        sampler: optuna.samplers.BaseSampler = optuna.samplers.NSGAIISampler(
+            population_size=int(sweep.population_size), seed=seed)
+        directions = ["minimize", "maximize"]
+    else:
+        # Constraint values come from trial.set_constraint (Optuna 5; constraints_func is deprecated).
+        sampler = optuna.samplers.TPESampler(seed=seed)
+        directions = ["maximize"]
+    return optuna.create_study(study_name=sweep.study_name, storage=storage, sampler=sampler,
+                               directions=directions, load_if_exists=True)
+
+
+def _n_existing(storage: Any, name: str) -> int:
+    try:
+        study_id = storage.get_study_id_from_name(name)
+    except KeyError:
+        return 0
+    return len(storage.get_all_trials(study_id, deepcopy=False))
+
+
+def fail_stale(study: optuna.Study) -> list[int]:
+    """Trials left RUNNING by an interrupted process: mark them failed and queue their params
+    again (they did not finish, so they are not repeats). Assumes one process per study."""
+    stale = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.RUNNING]
+    for t in stale:
+        study.tell(t.number, state=optuna.trial.TrialState.FAIL)
+        study.enqueue_trial(t.params, user_attrs={k: v for k, v in t.user_attrs.items() if k == "seed"})
+    return [t.number for t in stale]
+
+
+def n_finished(study: optuna.Study) -> int:
+    done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    return len(study.get_trials(deepcopy=False, states=done))
+
+
+class Objective:
+    """One trial: map -> composed config on disk -> (bytes, score)."""
+
+    def __init__(self, sweep: DictConfig, base: DictConfig, result: SensitivityResult, out_dir: Path) -> None:
+        self.sweep, self.base, self.result, self.out_dir = sweep, base, result, out_dir
+        self.units = group_layers(result.layers, sweep.groups)
+        self.budget = result._budget(float(sweep.budget))
+
+    def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
+        kmap = suggest_map(trial, self.units, list(self.sweep.kernels))
+        trial_dir = self.out_dir / "trials" / f"{trial.number:04d}"
+        cfg = trial_config(self.base, kmap, f"{self.sweep.study_name}_t{trial.number}", trial_dir)
+        trial_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, trial_dir / "config.yaml")
+        map_path = write_map_yaml(kmap, trial_dir / "compression.yaml", name=cfg.compression.name)
+        overrides = [*self.sweep.base_overrides, f"compression.map_file={map_path}", f"out_dir={trial_dir / 'train'}"]
+        trial.set_user_attr("map", kmap)
+        trial.set_user_attr("config", str(trial_dir / "config.yaml"))
+        trial.set_user_attr("rerun", "lessmem-train " + " ".join(overrides))
+        memory = self.result.saved_bytes(kmap)
+        trial.set_user_attr("conv_input_bytes", memory)
+        trial.set_user_attr("mean_cosine", self.result.mean_cosine(kmap))
+        if self.sweep.objective == "fidelity":
+            score = self.result.mean_cosine(kmap)
+        else:
+            score = self._train(cfg, trial, trial_dir)
+        trial.set_user_attr("score", score)
+        constraint = float(memory - self.budget) if self.budget is not None else 0.0
+        trial.set_user_attr("constraint", [constraint])
+        if self.sweep.mode == "budget":
+            trial.set_constraint("memory", constraint)
+        return (float(memory), score) if self.sweep.mode == "pareto" else score
+
+    def _train(self, cfg: DictConfig, trial: optuna.Trial, trial_dir: Path) -> float:
+        # train.run has no per-epoch callback, so the MedianPruner has nothing to act on: trials
+        # run to the end (short runs: set epochs / dataset.train_subset in base_overrides).
+        from lessmem.train import run
+
+        with open_dict(cfg):
+            cfg.out_dir = str(trial_dir / "train")
+        metrics = run(cfg)
+        trial.set_user_attr("measured_saved_bytes", metrics.get("saved_bytes"))
+        trial.set_user_attr("stock_saved_bytes", metrics.get("stock_saved_bytes"))
+        return float(metrics[self.sweep.score_key])
+
+
+def run_search(sweep: DictConfig) -> dict[str, Any]:
+    """Create or resume the study, run the missing trials, write the report; returns a summary."""
+    out_dir = Path(sweep.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(sweep, out_dir / "sweep.yaml")
+    base = compose_config(list(sweep.base_overrides))
+    result = study_sensitivity(sweep, base, out_dir)
+    objective = Objective(sweep, base, result, out_dir)
+    study = open_study(sweep, Path(sweep.storage))
+    stale = fail_stale(study)
+    if not study.trials:
+        for label, params in seed_maps(result, objective.units, sweep).items():
+            study.enqueue_trial({_param(u): k for u, k in params.items()}, user_attrs={"seed": label})
+    remaining = int(sweep.n_trials) - n_finished(study)
+    log.info("study %s: %d finished, running %d more%s", sweep.study_name, n_finished(study),
+             max(remaining, 0), f" (failed stale trials {stale})" if stale else "")
+    if remaining > 0:
+        study.optimize(objective, n_trials=remaining, catch=(RuntimeError, ValueError),
+                       show_progress_bar=sys.stderr.isatty())
+    return write_report(study, result, sweep, out_dir)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
+    rows = []
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        a = t.user_attrs
+        rows.append({"trial": t.number, "seed": a.get("seed", ""), "conv_input_bytes": a["conv_input_bytes"],
+                     "score": a["score"], "mean_cosine": a["mean_cosine"],
+                     "feasible": all(c <= 0 for c in a.get("constraint", [0.0])),
+                     "params": json.dumps({k.removeprefix("k:"): v for k, v in t.params.items()}),
+                     "config": a.get("config", ""), "map": a["map"], "rerun": a.get("rerun", "")})
+    return rows
+
+
+def pareto_front(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Non-dominated rows for (min conv_input_bytes, max score), sorted by bytes; one per point."""
+    front, seen = [], set()
+    for r in sorted(rows, key=lambda r: (r["conv_input_bytes"], -r["score"], r["trial"])):
+        point = (r["conv_input_bytes"], r["score"])
+        if point in seen:
+            continue
+        if not front or r["score"] > front[-1]["score"]:
+            front.append(r)
+            seen.add(point)
+    return front
+
+
+def write_report(study: optuna.Study, result: SensitivityResult, sweep: DictConfig, out_dir: Path) -> dict[str, Any]:
+    rows = trial_rows(study)
+    if not rows:
+        raise RuntimeError(f"study {sweep.study_name} has no complete trial")
+    front = pareto_front(rows)
+    base_bytes = result.baseline_bytes()
+    fields = ["trial", "seed", "conv_input_bytes", "score", "mean_cosine", "feasible", "params", "config"]
+    for name, data in (("trials.csv", rows), ("pareto.csv", front)):
+        with (out_dir / name).open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(data)
+    maps_dir = out_dir / "best_maps"
+    for r in front:
+        write_map_yaml(r["map"], maps_dir / f"trial_{r['trial']:04d}.yaml",
+                       name=f"{sweep.study_name}_t{r['trial']}",
+                       comment=f"Pareto map of {sweep.study_name}, trial {r['trial']}: conv-input bytes "
+                               f"{r['conv_input_bytes']} ({r['conv_input_bytes'] / base_bytes:.3f} of all-1), "
+                               f"{sweep.objective} score {r['score']:.4f}")
+    seeds = {r["seed"]: r for r in rows if r["seed"]}
+    beats = _dominating(front, seeds.get("uniform_2"))
+    summary = {
+        "study": sweep.study_name, "objective": sweep.objective, "mode": sweep.mode,
+        "complete_trials": len(rows), "baseline_conv_input_bytes": base_bytes,
+        "seeds": {k: {"conv_input_bytes": v["conv_input_bytes"], "score": v["score"]} for k, v in seeds.items()},
+        "pareto": [{"trial": r["trial"], "conv_input_bytes": r["conv_input_bytes"], "score": r["score"],
+                    "params": json.loads(r["params"])} for r in front],
+        "beats_uniform_2": [r["trial"] for r in beats],
+    }
+    if sweep.mode == "budget":
+        feasible = [r for r in rows if r["feasible"]]
+        summary["best_feasible"] = max(feasible, key=lambda r: r["score"])["trial"] if feasible else None
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out_dir / "pareto.md").write_text(_markdown(front, seeds, beats, base_bytes, sweep))
+    plot_pareto(rows, front, out_dir / "pareto.png", sweep)
+    return summary
+
+
+def _dominating(front: list[dict[str, Any]], ref: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Front maps with fewer bytes than ``ref`` and at least its score."""
+    if ref is None:
+        return []
+    return [r for r in front if r["conv_input_bytes"] < ref["conv_input_bytes"] and r["score"] >= ref["score"]]
+
+
+def _markdown(front, seeds, beats, base_bytes: int, sweep: DictConfig) -> str:
+    label = "mean grad cosine" if sweep.objective == "fidelity" else sweep.score_key
+    lines = [f"# Pareto front: {sweep.study_name}", "",
+             f"objective: {sweep.objective} ({label}), memory: conv-input bytes kept for backward "
+             f"(all-1 = {base_bytes:,d} B)", "",
+             "| trial | seed | conv-input bytes | of all-1 | " + label + " | kernels |", "|---|---|---|---|---|---|"]
+    for r in front:
+        lines.append(f"| {r['trial']} | {r['seed']} | {r['conv_input_bytes']:,d} | "
+                     f"{r['conv_input_bytes'] / base_bytes:.3f} | {r['score']:.4f} | `{r['params']}` |")
+    lines += ["", "Seeds (uniform maps and the greedy sensitivity map):", ""]
+    for name, r in sorted(seeds.items()):
+        lines.append(f"- {name}: {r['conv_input_bytes']:,d} B ({r['conv_input_bytes'] / base_bytes:.3f}), "
+                     f"{label} {r['score']:.4f}")
+    lines += ["", f"Pareto maps with fewer bytes than uniform 2x2 at equal or better {label}: "
+              + (", ".join(f"trial {r['trial']}" for r in beats) or "none"), ""]
+    return "\n".join(lines)
+
+
+def plot_pareto(rows, front, path: Path, sweep: DictConfig) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    mib = 2**20
+    ax.scatter([r["conv_input_bytes"] / mib for r in rows], [r["score"] for r in rows], s=14,
+               color="0.6", label="trials")
+    ax.plot([r["conv_input_bytes"] / mib for r in front], [r["score"] for r in front], "o-",
+            color="tab:red", ms=5, label="Pareto front")
+    for r in rows:
+        if r["seed"]:
+            ax.scatter(r["conv_input_bytes"] / mib, r["score"], marker="*", s=120, color="tab:blue", zorder=3)
+            ax.annotate(r["seed"], (r["conv_input_bytes"] / mib, r["score"]), fontsize=7,
+                        xytext=(4, -10), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("conv-input bytes kept for backward (MiB, log)")
+    ax.set_ylabel("mean weight-gradient cosine" if sweep.objective == "fidelity" else sweep.score_key)
+    ax.set_title(f"{sweep.study_name}: {len(rows)} trials", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lessmem-search",
+        description="Optuna search over compression maps (resumable). Extra KEY=VALUE arguments "
+                    f"override the sweep file; keys: {', '.join(sorted(DEFAULTS))}.")
+    parser.add_argument("--config", help="sweep YAML, e.g. sweeps/fidelity_resnet18_cifar.yaml")
+    parser.add_argument("overrides", nargs="*", help="KEY=VALUE, e.g. n_trials=80 out_dir=/tmp/s")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        sweep = load_sweep(args.config, args.overrides)
+        summary = run_search(sweep)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"lessmem-search: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: v for k, v in summary.items() if k != "pareto"}, indent=1))
+    print(f"report: {Path(sweep.out_dir) / 'pareto.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

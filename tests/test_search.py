@@ -1,0 +1,71 @@
+"""lessmem.search: resumable Optuna search over compression maps (tiny, synthetic data)."""
+
+from __future__ import annotations
+
+import json
+
+import optuna
+import pytest
+import yaml
+from PIL import Image
+
+from lessmem.search import load_sweep, open_study, run_search
+
+BASE = ["model=resnet20", "dataset=synthetic", "dataset.size=64", "dataset.val_size=32",
+        "logger=disabled", "device=cpu"]
+
+
+def sweep(tmp_path, **over):
+    args = {"study_name": "t", "out_dir": str(tmp_path / "s"), "n_trials": 3, "population_size": 4,
+            "kernels": [1, 2, 4], "groups": ["conv1", "layer1.*", "layer2.*", "layer3.*"],
+            "sensitivity": {"batches": 1, "batch_size": 8}, **over}
+    dotlist = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in args.items()]
+    return load_sweep(None, [*dotlist, f"base_overrides={json.dumps(BASE)}"])
+
+
+def test_interrupted_search_resumes(tmp_path) -> None:
+    first = run_search(sweep(tmp_path, n_trials=2))
+    assert first["complete_trials"] == 2
+    study = open_study(sweep(tmp_path), tmp_path / "s" / "study.journal")
+    before = {t.number: t.params for t in study.trials if t.state.is_finished()}
+    study.ask()  # a trial left RUNNING, as if the process had been killed mid-trial
+    summary = run_search(sweep(tmp_path, n_trials=3))
+    study = open_study(sweep(tmp_path), tmp_path / "s" / "study.journal")
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert summary["complete_trials"] == 3 and len(complete) == 3
+    assert {t.number: t.params for t in complete if t.number in before} == before  # not repeated
+    assert [t.state for t in study.trials].count(optuna.trial.TrialState.FAIL) == 1
+    # The stale trial had taken the queued uniform_4 seed; it went back to the end of the queue.
+    seeds = [t.user_attrs.get("seed") for t in complete]
+    assert seeds == ["uniform_1", "uniform_2", "sensitivity"]
+    assert [t.user_attrs.get("seed") for t in study.trials if t.state.name == "WAITING"] == ["uniform_4"]
+    u1, u2 = summary["seeds"]["uniform_1"], summary["seeds"]["uniform_2"]
+    assert u1["score"] == pytest.approx(1.0) and u2["score"] < 1
+    assert u2["conv_input_bytes"] < u1["conv_input_bytes"]
+    # A fourth run with the same n_trials does nothing new.
+    assert run_search(sweep(tmp_path, n_trials=3))["complete_trials"] == 3
+
+    out = tmp_path / "s"
+    for name in ("trials.csv", "pareto.csv", "pareto.md", "summary.json", "sensitivity/sensitivity.png"):
+        assert (out / name).is_file(), name
+    for png in (out / "pareto.png", out / "sensitivity" / "sensitivity.png"):
+        with Image.open(png) as im:
+            im.verify()
+    maps = list((out / "best_maps").glob("*.yaml"))
+    assert maps and "map" in yaml.safe_load(maps[0].read_text())
+    trial_cfg = yaml.safe_load((out / "trials" / "0001" / "config.yaml").read_text())
+    assert set(trial_cfg["compression"]["map"].values()) == {2}
+    assert trial_cfg["model"]["name"] == "resnet20"
+
+
+def test_budget_mode_and_accuracy_objective(tmp_path) -> None:
+    """Single objective under a memory budget; each trial trains via train.run (1 tiny epoch)."""
+    s = sweep(tmp_path, n_trials=2, mode="budget", objective="accuracy", budget=0.3,
+              base_overrides=None)
+    s.base_overrides = [*BASE, "epochs=1", "batch_size=32", "eval_batch_size=32", "memory_batch=4"]
+    summary = run_search(s)
+    assert summary["complete_trials"] == 2
+    rows = summary["seeds"]
+    assert 0.0 <= rows["uniform_1"]["score"] <= 1.0
+    assert summary["best_feasible"] is None or summary["best_feasible"] == 1  # uniform_1 is infeasible
+    assert (tmp_path / "s" / "trials" / "0000" / "train" / "metrics.json").is_file()
