@@ -60,12 +60,11 @@ def test_interrupted_search_resumes(tmp_path) -> None:
 
 def test_budget_mode_and_accuracy_objective(tmp_path) -> None:
     """Single objective under a memory budget; each trial trains via train.run (1 tiny epoch)."""
-    s = sweep(tmp_path, n_trials=2, mode="budget", objective="accuracy", budget=0.3,
+    s = sweep(tmp_path, n_trials=1, mode="budget", objective="accuracy", budget=0.3,
               base_overrides=None)
     s.base_overrides = [*BASE, "epochs=1", "batch_size=32", "eval_batch_size=32", "memory_batch=4"]
     summary = run_search(s)
-    assert summary["complete_trials"] == 2
-    rows = summary["seeds"]
-    assert 0.0 <= rows["uniform_1"]["score"] <= 1.0
-    assert summary["best_feasible"] is None or summary["best_feasible"] == 1  # uniform_1 is infeasible
+    assert summary["complete_trials"] == 1
+    assert 0.0 <= summary["seeds"]["uniform_1"]["score"] <= 1.0
+    assert summary["best_feasible"] is None  # uniform_1 keeps all bytes: over the 0.3 budget
     assert (tmp_path / "s" / "trials" / "0000" / "train" / "metrics.json").is_file()
