@@ -111,9 +111,11 @@ def test_resume_after_interruption_matches_straight_run(
 
 @needs_cifar
 def test_resume_extends_finished_run(straight: tuple[Path, dict], tmp_path: Path) -> None:
-    run(make_cfg(tmp_path, "epochs=1", "scheduler=none"))
-    more = run(make_cfg(tmp_path, "epochs=2", "scheduler=none", "resume=true"))
+    run(make_cfg(tmp_path, "epochs=1"))
+    more = run(make_cfg(tmp_path, "epochs=2", "resume=true"))
     assert [h["epoch"] for h in more["history"]] == [1, 2]
+    # The cosine is stretched to the new horizon: half-way, not at the old run's final lr of 0.
+    assert more["history"][1]["lr"] == pytest.approx(0.05)
 
 
 @needs_cifar

@@ -286,6 +286,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
+        # Recompute the lr from the (possibly longer) schedule: resuming with more epochs than
+        # the checkpointed run stretches the cosine instead of continuing from its end value.
+        for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+            group["lr"] = base * fn(scheduler.last_epoch)
         scaler.load_state_dict(ckpt["scaler"])
         set_rng_state(ckpt["rng"])
         start_epoch, history = int(ckpt["epoch"]), list(ckpt["history"])
