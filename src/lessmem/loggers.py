@@ -22,6 +22,9 @@ class Logger:
     def finish(self, exit_code: int = 0) -> None:
         pass
 
+    def results(self, metrics: dict[str, Any]) -> None:
+        """End of run: the run's row of the trade-off table (W&B only)."""
+
 
 class CsvLogger(Logger):
     """Appends one row per ``log`` call to ``out_dir/metrics.csv`` (columns fixed by the first row)."""
@@ -50,6 +53,7 @@ class WandbLogger(Logger):
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
+        self.cfg = OmegaConf.to_container(cfg, resolve=True)
         self.run = wandb.init(
             project=lcfg.get("project", "lessmem"),
             entity=lcfg.get("entity"),
@@ -80,6 +84,25 @@ class WandbLogger(Logger):
     def summary(self, values: dict[str, Any]) -> None:
         for k, v in values.items():
             self.run.summary[k] = v
+
+    def results(self, metrics: dict[str, Any]) -> None:
+        """A one-row ``wandb.Table`` (``lessmem.report.COLUMNS``), the memory-vs-accuracy
+        scatter and the per-epoch accuracy figure, so runs of a sweep can be compared in the UI."""
+        import tempfile
+
+        import wandb
+
+        from lessmem import report
+
+        try:  # a table or figure must never fail a finished run
+            row = report.row_from(self.cfg, metrics, name=self.run.name or metrics.get("compression"),
+                                  base=Path(str(self.cfg.get("out_dir") or ".")))
+            report.log_wandb(self.run, [row], key="tradeoff", pareto=False, image=False)
+            with tempfile.TemporaryDirectory() as tmp:
+                png = report.plot_accuracy_curves([row], Path(tmp) / "acc.png", title=str(row["map"]))
+                self.run.log({"tradeoff/accuracy_curves": wandb.Image(str(png))})
+        except Exception as e:
+            print(f"lessmem: W&B trade-off table skipped: {type(e).__name__}: {e}")
 
     def finish(self, exit_code: int = 0) -> None:
         self.run.finish(exit_code=exit_code)

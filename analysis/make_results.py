@@ -1,0 +1,273 @@
+"""Regenerate docs/RESULTS.md (and its PNGs) from the result directories.
+
+    python analysis/make_results.py
+    python analysis/make_results.py --cifar multirun/cifar10_resnet20_6ep --out docs/RESULTS.md
+
+Inputs (each optional; a missing one becomes a "pending" note, never an error):
+  docs/results/memory.csv          python benchmarks/memory.py --csv docs/results/memory.csv
+  docs/results/resnet18_per_layer.csv   measured here once (lessmem.measure_memory), then reused
+  multirun/cifar10_resnet20_6ep    python -m lessmem.train -m compression=none,pool2,pool4 epochs=6 ...
+  docs/results/search_*/summary.json, sensitivity_*/, vit_*.md   (search / sensitivity / ViT docs)
+Outputs: docs/RESULTS.md, docs/results/memory_ratio.png, docs/results/resnet18_per_layer.png,
+docs/results/cifar10_resnet20/{table.md,table.csv,memory_vs_accuracy.png,accuracy_curves.png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+from lessmem import report as R
+
+REPO = Path(__file__).resolve().parents[1]
+# Paper (Barley & Fröning, arXiv 2409.11902), ResNet18: total peak GPU memory and top-1.
+PAPER = {"2x2": {"peak_reduction": 0.29}, "4x4": {"peak_reduction": 0.36}, "top1_gap_2x2": 0.013}
+CIFAR_CMD = ("python -m lessmem.train -m compression=none,pool2,pool4 epochs=6 batch_size=128 device=cpu "
+             "logger=wandb hydra.sweep.dir=multirun/cifar10_resnet20_6ep")
+
+
+def rel(p: Path, base: Path) -> str:
+    return os.path.relpath(p, base)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def memory_section(mem_csv: Path, results: Path, docs: Path) -> tuple[list[str], dict]:
+    if not mem_csv.is_file():
+        return [f"*Pending: `{rel(mem_csv, REPO)}` is missing; run "
+                f"`python benchmarks/memory.py --csv {rel(mem_csv, REPO)}` and regenerate.*", ""], {}
+    rows = R.read_memory_csv(mem_csv)
+    png = R.plot_ratio_bars(rows, results / "memory_ratio.png",
+                            title="saved-for-backward bytes / stock PyTorch (batch 32, 224x224, fp32)")
+    lines = ["Command: `python benchmarks/memory.py --csv docs/results/memory.csv` (batch 32, 224×224, fp32, "
+             "random init, train mode, CPU). Baseline of every ratio: **stock PyTorch, same model, same "
+             "batch** (`lessmem.measure_memory` of the uncompressed model).", "",
+             f"![ratio to stock]({rel(png, docs)})", "",
+             "| model | config | saved MiB | ratio to stock | change | note |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['config']} | {r['saved_mib']:.1f} | {r['ratio']:.3f} | "
+                     f"{100 * (r['ratio'] - 1):+.1f}% | {r['note']} |")
+    ours = {r["config"]: r["ratio"] for r in rows if r["model"] == "resnet18"}
+    return lines + [""], ours
+
+
+def per_layer_section(results: Path, docs: Path, measure: bool, batch: int) -> list[str]:
+    cache = results / "resnet18_per_layer.csv"
+    if not cache.is_file():
+        if not measure:
+            return [f"*Pending: `{rel(cache, REPO)}` missing (run without `--no-measure`).*", ""]
+        rows = R.per_layer_memory("resnet18", {"*": 2}, batch=batch, size=224)
+        with cache.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["block", "stock_bytes", "compressed_bytes"])
+            w.writeheader()
+            w.writerows(rows)
+    with cache.open() as f:
+        rows = [{"block": r["block"], "stock_bytes": int(r["stock_bytes"]),
+                 "compressed_bytes": int(r["compressed_bytes"])} for r in csv.DictReader(f)]
+    png = R.plot_per_layer(rows, results / "resnet18_per_layer.png", label="lessmem 2x2 (*:2)",
+                           title=f"resnet18, batch {batch}, 224x224: saved bytes per block")
+    stock, comp = sum(r["stock_bytes"] for r in rows), sum(r["compressed_bytes"] for r in rows)
+    lines = [f"`python analysis/per_layer.py --model resnet18 --map '*=2' --batch {batch} --size 224 "
+             f"--out docs/results/resnet18_per_layer` (random init; per-module bytes of "
+             "`lessmem.measure_memory(...).per_layer` summed per block; a storage shared by two modules "
+             "is counted once, at the first one that saved it). Total: stock "
+             f"{stock / R.MiB:.1f} MiB, 2x2 {comp / R.MiB:.1f} MiB ({comp / stock:.3f}).", "",
+             f"![resnet18 per block]({rel(png, docs)})", "",
+             "| block | stock MiB | 2x2 MiB | ratio |", "|---|---|---|---|"]
+    for r in rows:
+        ratio = r["compressed_bytes"] / r["stock_bytes"] if r["stock_bytes"] else float("nan")
+        lines.append(f"| {r['block']} | {r['stock_bytes'] / R.MiB:.1f} | {r['compressed_bytes'] / R.MiB:.1f} | {ratio:.3f} |")
+    return lines + [""]
+
+
+def cifar_section(cifar: Path, results: Path, docs: Path) -> tuple[list[str], list[dict]]:
+    rows = R.load_runs(cifar)
+    head = ["Command (full CIFAR-10: 50k train / 10k test images, augmentation on, SGD lr 0.1 momentum 0.9, "
+            "cosine, fp32, seed 0, memory measured on a batch of 32; ~45 min for the three runs on the "
+            "2-core CPU):", "", f"    {CIFAR_CMD}", f"    python analysis/report.py {rel(cifar, REPO)}", ""]
+    if not rows:
+        return head + [f"*Pending: no runs under `{rel(cifar, REPO)}` yet. Rerun "
+                       "`python analysis/make_results.py` once the multirun has finished.*", ""], []
+    out = results / "cifar10_resnet20"
+    if out.exists():
+        shutil.rmtree(out)
+    rep = R.report_dir(cifar, out, title="resnet20, CIFAR-10, 6 epochs (CPU)")
+    running = [r["name"] for r in rows if not r.get("complete", True)]
+    lines = head + [rep["markdown"]]
+    if running:
+        lines += [f"*Still running when this file was generated: {', '.join(running)} — numbers are "
+                  "from the epochs finished so far.*", ""]
+    base = next((r for r in rows if r.get("map") == "none"), None)
+    if base and base.get("top1") is not None:
+        lines += ["Top-1 difference to `none` (same schedule, same seed): " + ", ".join(
+            f"{r['map']} {100 * (r['top1'] - base['top1']):+.2f} points" for r in rows
+            if r is not base and r.get("top1") is not None) + ". Baseline of `ratio to stock`: the same "
+            "resnet20 with no compression, saved-for-backward bytes on a batch of 32.", ""]
+    for name in ("accuracy_curves.png", "memory_vs_accuracy.png"):
+        if name in rep["files"]:
+            lines += [f"![{name}]({rel(rep['files'][name], docs)})", ""]
+    return lines, rows
+
+
+def search_section(results: Path, docs: Path) -> list[str]:
+    lines = ["Details: [sensitivity.md](results/sensitivity.md), [search.md](results/search.md). "
+             "Memory here is conv-input bytes kept for backward (the part a map changes); baseline: "
+             "all convs exact (k=1), batch 32, resnet18 CIFAR stem. Score: mean weight-gradient cosine "
+             "vs exact (random init, 4 CIFAR-10 batches) — a fidelity proxy, not accuracy.", ""]
+    found = False
+    for summ in sorted(results.glob("search_*/summary.json")):
+        s = json.loads(summ.read_text())
+        found = True
+        base = s["baseline_conv_input_bytes"]
+        lines += [f"**{s['study']}** ({s['objective']}, {s['mode']}, {s['complete_trials']} trials):", "",
+                  "| point | conv-input bytes | of all-1 | score |", "|---|---|---|---|"]
+        for k, v in sorted(s.get("seeds", {}).items()):
+            lines.append(f"| seed {k} | {v['conv_input_bytes']:,d} | {v['conv_input_bytes'] / base:.3f} | {v['score']:.4f} |")
+        for p in s.get("pareto", []):
+            if p["trial"] in s.get("beats_uniform_2", []):
+                lines.append(f"| Pareto trial {p['trial']} (beats uniform 2x2) | {p['conv_input_bytes']:,d} | "
+                             f"{p['conv_input_bytes'] / base:.3f} | {p['score']:.4f} |")
+        png = summ.parent / "pareto.png"
+        lines += ["", f"![pareto]({rel(png, docs)})" if png.is_file() else "", ""]
+    sens = results / "sensitivity_resnet18_cifar" / "sensitivity.png"
+    if sens.is_file():
+        lines += [f"![sensitivity]({rel(sens, docs)})", ""]
+    if not found:
+        lines += ["*No search summaries under docs/results/search_*/.*", ""]
+    lines += ["An accuracy-objective search (`sweeps/train_resnet20.yaml`, each trial trains resnet20) "
+              "has not been run to completion here; `python analysis/report.py outputs/search/train_resnet20` "
+              "renders it (reads `study.journal`) when it has.", ""]
+    return lines
+
+
+def embed_table(md: Path, docs: Path) -> list[str]:
+    if not md.is_file():
+        return [f"*Missing: {rel(md, REPO)}*", ""]
+    text = md.read_text()
+    table = [s for s in text.splitlines() if s.startswith("|")]
+    return [f"From [{md.name}]({rel(md, docs)}):", "", *table, ""]
+
+
+def build(args: argparse.Namespace) -> str:
+    out = Path(args.out).resolve()
+    docs = out.parent
+    results = Path(args.results).resolve()
+    results.mkdir(parents=True, exist_ok=True)
+    mem_lines, ours = memory_section(Path(args.memory_csv).resolve(), results, docs)
+    cifar_lines, cifar_rows = cifar_section(Path(args.cifar).resolve(), results, docs)
+
+    def ours_pct(cfg: str) -> str:
+        return f"{100 * (ours[cfg] - 1):+.1f}% (ratio {ours[cfg]:.3f})" if cfg in ours else "pending"
+
+    base = next((r for r in cifar_rows if r.get("map") == "none" and r.get("top1") is not None), None)
+    p2 = next((r for r in cifar_rows if r.get("map") == "pool2" and r.get("top1") is not None), None)
+    gap = (f"{100 * (p2['top1'] - base['top1']):+.2f} points top-1 (resnet20, CIFAR-10, 6 epochs, "
+           f"{'final' if p2.get('complete') and base.get('complete') else 'partial'})"
+           if base and p2 else "pending (CIFAR-10 multirun not finished)")
+    L = [
+        "# Results: lessmem vs the paper",
+        "",
+        "<!-- Generated by `python analysis/make_results.py`; edit that script, not this file. -->",
+        "",
+        "Regenerate everything below with one command: `python analysis/make_results.py`.",
+        "",
+        "**Hardware.** " + f"{os.cpu_count()}-core CPU ({cpu_name()}), no GPU; Python "
+        f"{platform.python_version()}, torch {torch.__version__}. Because there is no GPU, every memory "
+        "figure here is **saved-for-backward bytes** (unique storages autograd keeps after the forward "
+        "pass, counted by `lessmem.measure_memory`; parameters and buffers excluded) — *not* CUDA peak "
+        "memory. The GPU peak measurement (`cuda_peak_bytes`, filled automatically by `measure_memory` "
+        "and `lessmem.train` on CUDA) is **pending a GPU**.",
+        "",
+        "## Paper vs ours (ResNet18)",
+        "",
+        "| | paper (Barley & Fröning, arXiv 2409.11902) | ours |",
+        "|---|---|---|",
+        f"| memory, 2×2 | −{100 * PAPER['2x2']['peak_reduction']:.0f}% total peak GPU memory | "
+        f"{ours_pct('2x2')} saved-for-backward bytes |",
+        f"| memory, 4×4 | −{100 * PAPER['4x4']['peak_reduction']:.0f}% total peak GPU memory | "
+        f"{ours_pct('4x4')} saved-for-backward bytes |",
+        f"| accuracy, 2×2 | within {100 * PAPER['top1_gap_2x2']:.1f}% top-1 of baseline (ImageNet-scale, longer "
+        f"schedule) | {gap} |",
+        "",
+        "Baselines: paper — the uncompressed network's peak GPU memory; ours — stock PyTorch ResNet18, "
+        "same batch (32, 224×224, fp32), saved-for-backward bytes.",
+        "",
+        "### What differs from the paper, and why",
+        "",
+        "- **Quantity measured.** The paper reports total peak GPU memory: weights, gradients, optimizer "
+        "state, cuDNN workspace and allocator overhead on top of activations. Ours counts only the tensors "
+        "kept for backward. Those fixed costs do not shrink, so the same compression gives a smaller "
+        "*relative* reduction of the total peak: our larger percentages are expected, not a contradiction.",
+        "- **More than conv inputs is compressed.** lessmem also stores ReLU outputs as 1-bit masks and "
+        "max-pool indices as uint8 (\"exact error propagation\" companions), so even k=1 saves 20% on "
+        "ResNet18. Pooling conv inputs only (`naive 2x2` row) *increases* saved bytes (ratio 1.02), because "
+        "ReLU/BN still keep their full-size tensors and the pooled copy is extra.",
+        "- **Optional approximate storage** (`+ bf16 BN`, `+ int8 BN` rows) goes beyond the paper and "
+        "changes gradients; the headline 2×2 / 4×4 rows keep BatchNorm inputs exact.",
+        "- **Accuracy.** The paper trains to convergence with a longer schedule on GPUs; here a 6-epoch "
+        "resnet20/CIFAR-10 CPU run (and a 1-epoch ViT smoke run) — enough to show training works and to "
+        "see early-training gaps, not to confirm the 1.3% figure.",
+        "- **Weights.** Memory is measured on randomly initialised models (saved bytes do not depend on "
+        "the weights); sensitivity/search use random-init gradients as a proxy.",
+        "",
+        "## Saved-for-backward memory: stock vs lessmem",
+        "",
+        *mem_lines,
+        "### Per block: resnet18, stock vs 2×2",
+        "",
+        *per_layer_section(results, docs, not args.no_measure, args.per_layer_batch),
+        "## CIFAR-10: resnet20 baseline vs pool2 vs pool4 (CPU)",
+        "",
+        *cifar_lines,
+        "## Layer sensitivity and map search (resnet18, CIFAR stem)",
+        "",
+        *search_section(results, docs),
+        "## Vision transformers",
+        "",
+        *embed_table(results / "vit_memory.md", docs),
+        *embed_table(results / "vit_cifar.md", docs),
+        "## Pending",
+        "",
+        "- CUDA peak memory (total, as the paper reports) for every row above: needs a GPU; "
+        "`python benchmarks/memory.py` / `lessmem.train` record `cuda_peak_bytes` when run on CUDA.",
+        "- ImageNet-scale ResNet18 accuracy with the paper's longer schedule (`experiment=paper_resnet18`).",
+        "- Accuracy-objective map search (`sweeps/train_resnet20.yaml`) to completion.",
+    ]
+    if not cifar_rows:
+        L.append("- CIFAR-10 resnet20 runs (`multirun/cifar10_resnet20_6ep`): not finished when generated.")
+    text = "\n".join(L) + "\n"
+    out.write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(REPO / "docs" / "RESULTS.md"))
+    p.add_argument("--results", default=str(REPO / "docs" / "results"), help="docs/results dir (PNGs go here)")
+    p.add_argument("--memory-csv", default=str(REPO / "docs" / "results" / "memory.csv"))
+    p.add_argument("--cifar", default=str(REPO / "multirun" / "cifar10_resnet20_6ep"))
+    p.add_argument("--per-layer-batch", type=int, default=32)
+    p.add_argument("--no-measure", action="store_true", help="never run measure_memory (use cached CSVs)")
+    args = p.parse_args(argv)
+    build(args)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,228 @@
+"""analysis/ scripts and lessmem.report on a tiny sweep and a tiny search made here (synthetic data, CPU)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
+from PIL import Image
+
+from lessmem import report as R
+from lessmem.paths import conf_dir
+from lessmem.train import run
+
+REPO = Path(__file__).parents[1]
+ANALYSIS = REPO / "analysis"
+# 64 synthetic images, 2 steps of 32, 1 epoch: about a second per run.
+TINY = ["model=resnet20", "dataset=synthetic", "dataset.size=64", "dataset.val_size=32", "logger=disabled",
+        "device=cpu", "batch_size=32", "eval_batch_size=32", "memory_batch=4", "epochs=1"]
+
+
+def valid_png(path: Path) -> None:
+    assert path.is_file(), path
+    with Image.open(path) as im:
+        im.verify()
+        assert im.format == "PNG"
+
+
+def script(name: str):
+    """Import analysis/<name>.py as a module (its main(argv) is the CLI)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"analysis_{name}", ANALYSIS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("sweep")
+    for i, comp in enumerate(("none", "pool2")):
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            cfg = compose("train", overrides=[*TINY, f"compression={comp}"])
+        with open_dict(cfg):  # Hydra-style dir name; '=' cannot go through an override
+            cfg.out_dir = str(root / f"{i}_compression={comp}")
+        run(cfg)
+    return root
+
+
+def test_report_cli_on_sweep(sweep: Path, tmp_path: Path) -> None:
+    out = tmp_path / "rep"
+    res = subprocess.run([sys.executable, str(ANALYSIS / "report.py"), str(sweep), "--out", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    with (out / "table.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["map"] for r in rows] == ["none", "pool2"]
+    assert set(R.COLUMNS) <= set(rows[0])
+    none, pool2 = rows
+    assert float(none["ratio"]) == pytest.approx(1.0) and float(pool2["ratio"]) < 1.0
+    assert int(pool2["saved_bytes"]) < int(none["saved_bytes"])
+    assert pool2["kernels"] == "*:2" and none["kernels"] == "none"
+    for r in rows:
+        assert 0.0 <= float(r["top1"]) <= float(r["top5"]) <= 1.0 and float(r["train_time_s"]) > 0
+    md = (out / "table.md").read_text()
+    assert md.count("\n| ") == 3 and "| pool2 |" in md.replace("1_compression=pool2", "x")  # header + 2 rows
+    for name in ("memory_vs_accuracy.png", "accuracy_curves.png"):
+        valid_png(out / name)
+
+
+def test_rows_pareto_and_running_run(sweep: Path, tmp_path: Path) -> None:
+    rows = R.load_runs(sweep)
+    assert len(rows) == 2 and all(r["complete"] and len(r["history"]) == 1 for r in rows)
+    front = R.pareto_front(rows)
+    assert front and front[0]["saved_bytes"] == min(r["saved_bytes"] for r in rows)
+    # A run still in progress (metrics.jsonl only) is read and marked.
+    part = tmp_path / "part"
+    part.mkdir()
+    (part / "config.yaml").write_text((sweep / "1_compression=pool2" / "config.yaml").read_text())
+    hist = json.loads((sweep / "1_compression=pool2" / "metrics.json").read_text())["history"]
+    (part / "metrics.jsonl").write_text(json.dumps(hist[0]) + "\n")
+    (row,) = R.load_runs(part)
+    assert not row["complete"] and row["top1"] == hist[0]["val_top1"] and row["kernels"] == "*:2"
+    assert "(running)" in R.markdown_table([row])
+    assert R.load_runs(tmp_path / "missing") == []
+
+
+def test_kernel_summary() -> None:
+    assert R.kernel_summary({"*": 2}) == "*:2"
+    assert R.kernel_summary({f"l{i}": k for i, k in enumerate([1, 2, 2, 4, 4, 4])}) == "k1 x1, k2 x2, k4 x3"
+    assert R.kernel_summary({}) == "none"
+
+
+def test_report_on_search(tmp_path: Path) -> None:
+    from lessmem.search import load_sweep, run_search
+
+    base = ["model=resnet20", "dataset=synthetic", "dataset.size=64", "dataset.val_size=32",
+            "logger=disabled", "device=cpu"]
+    args = {"study_name": "t", "out_dir": str(tmp_path / "s"), "n_trials": 4, "population_size": 4,
+            "kernels": [1, 2, 4], "groups": ["conv1", "layer1.*", "layer2.*", "layer3.*"],
+            "sensitivity": {"batches": 1, "batch_size": 8}}
+    dot = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in args.items()]
+    run_search(load_sweep(None, [*dot, f"base_overrides={json.dumps(base)}"]))
+    out = tmp_path / "rep"
+    assert script("report").main([str(tmp_path / "s"), "--out", str(out)]) == 0
+    rows = R.load_search(tmp_path / "s")  # from study.journal
+    assert len(rows) == 4 and {r["seed"] for r in rows} >= {"uniform_1", "uniform_2"}
+    u1 = next(r for r in rows if r["seed"] == "uniform_1")
+    assert u1["ratio"] == pytest.approx(1.0) and u1["score"] == pytest.approx(1.0)
+    front = R.pareto_front(rows)
+    assert {r["trial"] for r in front} <= {r["trial"] for r in rows} and any(r["seed"] == "uniform_1" for r in front)
+    with (out / "table.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 4
+    assert "Pareto" in (out / "table.md").read_text()
+    valid_png(out / "memory_vs_accuracy.png")
+    (tmp_path / "s" / "study.journal").unlink()  # falls back to trials.csv
+    assert len(R.load_search(tmp_path / "s")) == 4
+
+
+def test_per_layer_script(tmp_path: Path) -> None:
+    out = tmp_path / "pl"
+    assert script("per_layer").main(["--model", "resnet20", "--map", "*=2", "--batch", "2", "--size", "32",
+                                     "--num-classes", "10", "--out", str(out)]) == 0
+    with out.with_suffix(".csv").open() as f:
+        rows = list(csv.DictReader(f))
+    blocks = [r["block"] for r in rows]
+    assert "layer1.0" in blocks and "layer3.2" in blocks
+    assert sum(int(r["compressed_bytes"]) for r in rows) < sum(int(r["stock_bytes"]) for r in rows)
+    valid_png(out.with_suffix(".png"))
+
+
+def test_ratio_bars(tmp_path: Path) -> None:
+    rows = [{"model": m, "config": c, "ratio": r} for m in ("a", "b") for c, r in (("2x2", 0.5), ("4x4", 0.4))]
+    valid_png(R.plot_ratio_bars(rows, tmp_path / "bars.png"))
+
+
+class FakeRun:
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.logged: list[dict] = []
+
+    def log(self, payload: dict) -> None:
+        self.logged.append(payload)
+
+
+def test_wandb_results_table_columns(sweep: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import wandb
+
+    from lessmem.loggers import WandbLogger
+
+    tables, scatters, lines = [], [], []
+
+    class Table:
+        def __init__(self, columns, data):
+            self.columns, self.data = columns, data
+            tables.append(self)
+
+    monkeypatch.setattr(wandb, "Table", Table)
+    monkeypatch.setattr(wandb.plot, "scatter", lambda t, x, y, title="": scatters.append((t, x, y)) or "scatter")
+    monkeypatch.setattr(wandb.plot, "line", lambda t, x, y, title="": lines.append((t, x, y)) or "line")
+    monkeypatch.setattr(wandb, "Image", lambda path: f"image:{Path(path).suffix}")
+
+    run_dir = sweep / "1_compression=pool2"
+    logger = object.__new__(WandbLogger)  # no wandb.init: only the end-of-run table
+    logger.run = FakeRun()
+    import yaml
+
+    logger.cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    logger.results(metrics)
+    (table,) = tables
+    assert table.columns == R.COLUMNS and len(table.data) == 1
+    row = dict(zip(table.columns, table.data[0], strict=True))
+    assert row["map"] == "pool2" and row["kernels"] == "*:2" and row["ratio"] == metrics["ratio"]
+    assert row["saved_bytes"] == metrics["saved_bytes"] and row["top1"] == metrics["final_top1"]
+    assert row["top5"] == metrics["final_top5"] and row["train_time_s"] == metrics["train_time_s"]
+    assert scatters == [(table, "saved_bytes", "top1")]
+    keys = set().union(*logger.run.logged)
+    assert {"tradeoff/table", "tradeoff/memory_vs_accuracy", "tradeoff/accuracy_curves"} <= keys
+
+    # A whole sweep: table, scatter, Pareto table + line, and the matplotlib figure.
+    tables.clear(), scatters.clear()
+    fake = FakeRun()
+    payload = R.log_wandb(fake, R.load_runs(sweep), key="sweep", pareto=True)
+    assert [len(t.data) for t in tables][0] == 2 and tables[0].columns == R.COLUMNS
+    assert lines and lines[0][1:] == ("saved_bytes", "top1")
+    assert {"sweep/table", "sweep/memory_vs_accuracy", "sweep/pareto_table", "sweep/pareto_front",
+            "sweep/memory_vs_accuracy_png"} == set(payload)
+
+
+def test_wandb_offline_sweep_run(sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    payload = R.log_dir_to_wandb(sweep, mode="offline")
+    assert "sweep/table" in payload
+    assert list((sweep / "wandb").glob("offline-run-*")), "offline run dir for `wandb sync`"
+
+
+def test_make_results_handles_missing_and_present(sweep: Path, tmp_path: Path) -> None:
+    mk = script("make_results")
+    results = tmp_path / "docs" / "results"
+    results.mkdir(parents=True)
+    (results / "memory.csv").write_text(
+        "model,config,saved_mib,ratio,note\nresnet18,stock PyTorch,676.9,1.0,\n"
+        "resnet18,2x2,374.8,0.554,exact\nresnet18,4x4,332.8,0.492,exact\n")
+    (results / "resnet18_per_layer.csv").write_text("block,stock_bytes,compressed_bytes\nstem,100,50\nlayer1.0,80,20\n")
+    out = tmp_path / "docs" / "RESULTS.md"
+    common = ["--out", str(out), "--results", str(results), "--memory-csv", str(results / "memory.csv"), "--no-measure"]
+    assert mk.main([*common, "--cifar", str(tmp_path / "nope")]) == 0
+    text = out.read_text()
+    assert "Pending: no runs" in text and "−29%" in text and "−36%" in text and "-44.6%" in text
+    assert "not* CUDA peak" in text and "pending a GPU" in text
+    valid_png(results / "memory_ratio.png")
+    valid_png(results / "resnet18_per_layer.png")
+    # With the sweep in place: its table and PNGs, and the top-1 difference vs `none`.
+    assert mk.main([*common, "--cifar", str(sweep)]) == 0
+    text = out.read_text()
+    assert "Pending: no runs" not in text and "pool2" in text and "points top-1" in text
+    for name in ("accuracy_curves.png", "memory_vs_accuracy.png"):
+        valid_png(results / "cifar10_resnet20" / name)
+        assert f"results/cifar10_resnet20/{name}" in text
