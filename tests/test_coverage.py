@@ -62,3 +62,21 @@ def test_functional_calls_are_listed():
     assert [r.op for r in functional] == ["ReluBackward0"]
     assert functional[0].layer == "(model)"
     assert "not reachable by a map" in report.table()
+
+
+def test_coverage_cli_writes_table_csv_json_png(tmp_path, capsys):
+    from PIL import Image
+
+    from lessmem.coverage_cli import main
+
+    out = tmp_path / "cov"
+    assert main(["model=resnet20", "compression=pool4", "dataset=synthetic",
+                 "coverage.batch=2", f"coverage.out={out}"]) == 0
+    printed = capsys.readouterr().out
+    assert "FULL: BatchNorm input" in printed and "pooled 4x4" in printed
+    for name in ("coverage.csv", "coverage.json", "coverage.png"):
+        assert (out / name).stat().st_size > 0
+    with Image.open(out / "coverage.png") as img:
+        img.verify()
+    assert main(["model=resnet20", "++compression.map={nope: 2}", "dataset=synthetic"]) == 2
+    assert "match no compressible layer" in capsys.readouterr().err

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lessmem._callable import make_module_callable
 from lessmem.compress.ops import expand_blocks, pool_blocks
 
 log = logging.getLogger(__name__)
@@ -676,6 +677,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{key}: {p}")
     return 0
 
+
+make_module_callable(__name__, sensitivity)  # lessmem.sensitivity(model, batches, ...)
 
 if __name__ == "__main__":
     raise SystemExit(main())

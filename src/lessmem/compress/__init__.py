@@ -12,13 +12,14 @@ The module itself is callable, so ``lessmem.compress(model, mapping)`` and
 from __future__ import annotations
 
 import fnmatch
-import sys
-import types
 from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
+from lessmem._callable import make_module_callable
+
+from . import custom_ops  # noqa: F401  (registers torch.ops.lessmem.*)
 from .coverage import CoverageReport, coverage
 from .mapping import compressible_layers, parse_spec, resolve_mapping
 from .memory import MemoryReport, measure_memory
@@ -89,6 +90,7 @@ def compress(
             )
         _swap(module, COMPRESSIBLE[type(module)])
         module.lessmem_spec = spec
+        module.lessmem_name = name
     if exact_companions:
         for module in model.modules():
             if type(module) in EXACT_COMPANIONS:
@@ -138,6 +140,7 @@ def uncompress(model: nn.Module) -> nn.Module:
             module.__class__ = original
             module.__dict__.pop("lessmem_spec", None)
             module.__dict__.pop("lessmem_storage", None)
+            module.__dict__.pop("lessmem_name", None)
     return model
 
 
@@ -146,9 +149,4 @@ def compressed_layers(model: nn.Module) -> dict[str, LayerSpec]:
     return {n: m.lessmem_spec for n, m in model.named_modules() if hasattr(m, "lessmem_spec")}
 
 
-class _CallableModule(types.ModuleType):
-    def __call__(self, model: nn.Module, mapping: Mapping[str, Any] | None, **kwargs: Any) -> nn.Module:
-        return compress(model, mapping, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+make_module_callable(__name__, compress)

@@ -22,6 +22,8 @@ _OURS = {
     "MaskedActivationFunctionBackward": (True, "1-bit mask", "activation pass mask"),
     "CompactMaxPool2dFunctionBackward": (True, "uint8 window index", "max-pool argmax"),
     "StoredBatchNormFunctionBackward": (True, "{storage} (approximate)", "BatchNorm input"),
+    "PackedDropoutFunctionBackward": (True, "1-bit mask", "dropout mask"),
+    "StoredActivationFunctionBackward": (True, "{storage} (approximate)", "GELU/SiLU input"),
 }
 _STOCK = {
     "ConvolutionBackward": "conv input: layer not compressed (k=1 or not in the map)",
@@ -39,6 +41,11 @@ _STOCK = {
     "SiluBackward": "SiLU input: exact backward needs it",
     "SoftmaxBackward": "softmax output: exact backward needs it",
     "NativeDropoutBackward": "dropout mask (1 byte per element)",
+    "ScaledDotProductFlashAttentionForCpuBackward": "attention q, k, v, output: exact backward needs them",
+    "ScaledDotProductEfficientAttentionBackward": "attention q, k, v, output: exact backward needs them",
+    "ScaledDotProductFlashAttentionBackward": "attention q, k, v, output: exact backward needs them",
+    "ScaledDotProductCudnnAttentionBackward": "attention q, k, v, output: exact backward needs them",
+    "CompiledFunctionBackward": "kept by a torch.compile graph",
 }
 # Ops whose saved tensors feed only the weight gradient: the part pooling can shrink.
 _WEIGHT_GRAD_ONLY = ("PooledConv2dFunctionBackward", "PooledLinearFunctionBackward",

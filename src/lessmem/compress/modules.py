@@ -4,6 +4,7 @@ these, so parameters, buffers, hooks and ``state_dict`` keys stay exactly those 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,22 @@ from .ops import (
     StoredBatchNormFunction,
 )
 from .storage import Storage
+
+# Parts without a compiled kernel run eagerly under torch.compile (a graph break, said once).
+_eager_conv = torch.compiler.disable(PooledConv2dFunction.apply)
+_eager_linear = torch.compiler.disable(PooledLinearFunction.apply)
+_warned: set[str] = set()
+
+
+def _warn_eager(module: nn.Module, what: str) -> None:
+    name = getattr(module, "lessmem_name", type(module).__name__)
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(
+            f"lessmem: layer {name!r} ({what}) has no compiled kernel on torch "
+            f"{torch.__version__}; it runs eagerly under torch.compile (graph break)",
+            stacklevel=3,
+        )
 
 
 @dataclass(frozen=True)
@@ -68,11 +85,19 @@ class CompressedConv2d(nn.Conv2d):
         elif isinstance(padding, str):
             x, padding = _explicit_padding(x, padding, self.kernel_size, self.dilation)
         x, w, b = _autocast_cast(x, self.weight, self.bias)
-        with torch.autocast(x.device.type, enabled=False):
-            return PooledConv2dFunction.apply(
-                x, w, b, self.stride, padding, self.dilation, self.groups,
-                self.lessmem_spec.kernel, self.lessmem_spec.storage,
+        spec = self.lessmem_spec
+        args = (x, w, b, self.stride, padding, self.dilation, self.groups, spec.kernel, spec.storage)
+        if torch.compiler.is_compiling():
+            if spec.storage == "int8":
+                _warn_eager(self, "int8 storage")
+                return _eager_conv(*args)
+            out, _ = torch.ops.lessmem.pooled_conv2d(
+                x, w, b, list(self.stride), list(padding), list(self.dilation), self.groups,
+                list(spec.kernel), spec.storage == "bf16",
             )
+            return out
+        with torch.autocast(x.device.type, enabled=False):
+            return PooledConv2dFunction.apply(*args)
 
 
 def _explicit_padding(x: Tensor, mode: str, kernel, dilation) -> tuple[Tensor, tuple[int, int]]:
@@ -96,10 +121,20 @@ class CompressedLinear(nn.Linear):
         if x.dim() < 3 or not _needs_saving(x, self):
             return super().forward(x)
         x, w, b = _autocast_cast(x, self.weight, self.bias)
+        k, storage = self.lessmem_spec.kernel[0], self.lessmem_spec.storage
+        if torch.compiler.is_compiling():
+            if storage == "int8":
+                _warn_eager(self, "int8 storage")
+                return _eager_linear(x, w, b, k, storage)
+            return torch.ops.lessmem.pooled_linear(x, w, b, k, storage == "bf16")[0]
         with torch.autocast(x.device.type, enabled=False):
-            return PooledLinearFunction.apply(
-                x, w, b, self.lessmem_spec.kernel[0], self.lessmem_spec.storage
-            )
+            return PooledLinearFunction.apply(x, w, b, k, storage)
+
+
+def _inplace(module: nn.Module) -> bool:
+    # In-place changes nothing in a compiled (functionalized) graph, and the compiler cannot
+    # trace a custom Function that marks its input dirty.
+    return module.inplace and not torch.compiler.is_compiling()
 
 
 class PackedReLU(nn.ReLU):
@@ -108,7 +143,7 @@ class PackedReLU(nn.ReLU):
     def forward(self, x: Tensor) -> Tensor:
         if not _needs_saving(x, self):
             return super().forward(x)
-        return MaskedActivationFunction.apply(x, 0.0, None, self.inplace)
+        return MaskedActivationFunction.apply(x, 0.0, None, _inplace(self))
 
 
 class PackedHardtanh(nn.Hardtanh):
@@ -117,7 +152,7 @@ class PackedHardtanh(nn.Hardtanh):
     def forward(self, x: Tensor) -> Tensor:
         if not _needs_saving(x, self):
             return super().forward(x)
-        return MaskedActivationFunction.apply(x, self.min_val, self.max_val, self.inplace)
+        return MaskedActivationFunction.apply(x, self.min_val, self.max_val, _inplace(self))
 
 
 class PackedReLU6(nn.ReLU6, PackedHardtanh):

@@ -49,6 +49,8 @@ _CACHE_ATTR = "_lessmem_pooled"
 
 
 def pooled_once(x: Tensor, kernel: Pair, storage: Storage) -> tuple[Tensor, ...]:
+    if torch.compiler.is_compiling():  # the compiler de-duplicates; tensor attributes would break graphs
+        return pack_tensor(pool_blocks(x.detach(), kernel), storage)
     key = (kernel, storage, x._version)
     cache = getattr(x, _CACHE_ATTR, None)
     if cache is not None and key in cache:
