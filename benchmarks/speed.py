@@ -4,6 +4,7 @@ Both models live in one process and run alternately (stock, compressed, stock, .
 machine noise hits both alike; the reported ratio is median(compressed) / median(stock).
 
     python benchmarks/speed.py --model resnet18 --batch 32 --size 224 --kernels 2 4
+    python benchmarks/speed.py --compile          # torch.compile both (compile time not timed)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--compile", action="store_true", help="torch.compile stock and compressed models")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -44,6 +46,8 @@ def main() -> None:
     for k in args.kernels:
         models[f"{k}x{k}"] = lessmem.compress(copy.deepcopy(stock), {"*": k})
     optimizers = {n: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for n, m in models.items()}
+    if args.compile:
+        models = {n: torch.compile(m) for n, m in models.items()}
     x = torch.randn(args.batch, 3, args.size, args.size)
     y = torch.randint(0, 10, (args.batch,))
 
@@ -56,7 +60,8 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t0)
 
     base = statistics.median(times["stock"])
-    print(f"{args.model}, batch {args.batch}, {args.size}x{args.size}, fp32, "
+    mode = "torch.compile" if args.compile else "eager"
+    print(f"{args.model}, {mode}, batch {args.batch}, {args.size}x{args.size}, fp32, "
           f"{torch.get_num_threads()} threads, {args.repeats} alternating steps each, torch {torch.__version__}")
     print("| config | median step (s) | min (s) | ratio to stock |")
     print("|---|---|---|---|")

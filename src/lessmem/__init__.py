@@ -6,8 +6,8 @@ in ``lessmem.train``, ``lessmem.sensitivity`` and ``lessmem.search`` and is impo
 
 from lessmem import compress  # callable module: lessmem.compress(model, mapping)
 from lessmem.compress import (
-    LayerSpec,
     CoverageReport,
+    LayerSpec,
     MemoryReport,
     compressed_layers,
     compressible_layers,
