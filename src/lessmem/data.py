@@ -232,23 +232,35 @@ def _imagenet(cfg: Mapping[str, Any]) -> tuple[Any, Any]:
 # --------------------------------------------------------------------------- loaders
 
 
-def random_crop_flip(x: Tensor, pad: int, g: torch.Generator) -> Tensor:
-    """Per-sample random crop after zero-padding by ``pad`` and random horizontal flip, batched."""
-    n, _, h, w = x.shape
+def random_crop_flip(x: Tensor, pad: int, g: torch.Generator, n: int | None = None,
+                     rows_of: slice | None = None) -> Tensor:
+    """Per-sample random crop after zero-padding by ``pad`` and random horizontal flip, batched.
+
+    ``x`` may be rows ``rows_of`` of a batch of ``n`` images (one rank's shard): the random numbers
+    are drawn for the whole batch, so the shards of N ranks together equal one process's batch."""
+    n = len(x) if n is None else n
+    pick = slice(None) if rows_of is None else rows_of
+    _, _, h, w = x.shape
     if pad > 0:
         padded = torch.nn.functional.pad(x, (pad, pad, pad, pad))
-        oy = torch.randint(0, 2 * pad + 1, (n,), generator=g)
-        ox = torch.randint(0, 2 * pad + 1, (n,), generator=g)
+        oy = torch.randint(0, 2 * pad + 1, (n,), generator=g)[pick]
+        ox = torch.randint(0, 2 * pad + 1, (n,), generator=g)[pick]
+        n_x = len(x)
         rows = (oy[:, None] + torch.arange(h))[:, None, :, None]  # (n,1,h,1)
         cols = (ox[:, None] + torch.arange(w))[:, None, None, :]  # (n,1,1,w)
-        x = padded[torch.arange(n)[:, None, None, None], torch.arange(x.shape[1])[None, :, None, None], rows, cols]
-    flip = torch.rand(n, generator=g) < 0.5
+        x = padded[torch.arange(n_x)[:, None, None, None], torch.arange(x.shape[1])[None, :, None, None], rows, cols]
+    flip = (torch.rand(n, generator=g) < 0.5)[pick]
     return torch.where(flip[:, None, None, None], x.flip(3), x)
 
 
 class TensorLoader:
     """Batches from TensorImages: seeded shuffle + augmentation per epoch (``set_epoch``), so a
-    run resumed at epoch e sees exactly the batches of an uninterrupted run."""
+    run resumed at epoch e sees exactly the batches of an uninterrupted run.
+
+    Distributed (``world_size`` > 1): every rank builds the same global batch of
+    ``world_size * batch_size`` images (same seed) and yields its own ``batch_size`` rows, so N
+    ranks with batch B see exactly the batches of one process with batch N*B. A rank whose shard
+    of a short last (eval) batch is empty skips it."""
 
     def __init__(
         self,
@@ -262,8 +274,13 @@ class TensorLoader:
         seed: int = 0,
         drop_last: bool = False,
         max_steps: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
         self.data, self.batch_size = data, batch_size
+        self.rank, self.world_size, self.global_batch = rank, world_size, batch_size * world_size
         self.shuffle, self.augment, self.drop_last = shuffle, augment, drop_last
         self.mean = torch.tensor(list(mean)).view(1, -1, 1, 1) * 255
         self.std = torch.tensor(list(std)).view(1, -1, 1, 1) * 255
@@ -275,7 +292,7 @@ class TensorLoader:
 
     def __len__(self) -> int:
         n = len(self.data)
-        steps = n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+        steps = n // self.global_batch if self.drop_last else math.ceil(n / self.global_batch)
         return steps if self.max_steps is None else min(steps, self.max_steps)
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
@@ -283,48 +300,65 @@ class TensorLoader:
         n = len(self.data)
         order = torch.randperm(n, generator=g) if self.shuffle else torch.arange(n)
         for step in range(len(self)):
-            idx = order[step * self.batch_size : (step + 1) * self.batch_size]
+            batch = order[step * self.global_batch : (step + 1) * self.global_batch]
+            mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+            idx = batch[mine]
             x = self.data.images[idx]
-            if self.augment:
-                x = random_crop_flip(x, self.pad, g)
+            if self.augment:  # draws for the whole global batch: the same stream on every rank
+                x = random_crop_flip(x, self.pad, g, n=len(batch), rows_of=mine)
+            if len(idx) == 0:
+                continue
             yield (x.float() - self.mean) / self.std, self.data.labels[idx]
 
 
 def build_loaders(
-    cfg: Mapping[str, Any], batch_size: int, eval_batch_size: int, seed: int, max_steps: int | None = None
+    cfg: Mapping[str, Any], batch_size: int, eval_batch_size: int, seed: int, max_steps: int | None = None,
+    rank: int = 0, world_size: int = 1,
 ) -> tuple[Any, Any]:
-    """(train_loader, val_loader) for the ``dataset`` config group."""
+    """(train_loader, val_loader) for the ``dataset`` config group. Batch sizes are per rank;
+    with ``world_size`` > 1 each loader yields rank ``rank``'s shard of every global batch."""
     train, val = build_datasets(cfg)
     if isinstance(train, TensorImages):
-        common = {"mean": cfg["mean"], "std": cfg["std"]}
-        if len(train) < batch_size:
-            raise ValueError(f"batch_size {batch_size} exceeds the {len(train)} training images")
+        common = {"mean": cfg["mean"], "std": cfg["std"], "rank": rank, "world_size": world_size}
+        if len(train) < batch_size * world_size:
+            raise ValueError(f"batch_size {batch_size} x {world_size} ranks exceeds the {len(train)} training images")
         return (
             TensorLoader(train, batch_size, shuffle=True, augment=bool(cfg.get("augment", True)),
                          seed=seed, drop_last=True, max_steps=max_steps, **common),
             TensorLoader(val, eval_batch_size, shuffle=False, augment=False, **common),
         )
-    return _torch_loaders(train, val, cfg, batch_size, eval_batch_size, seed, max_steps)
+    return _torch_loaders(train, val, cfg, batch_size, eval_batch_size, seed, max_steps, rank, world_size)
 
 
 class _EpochSeededLoader:
-    """DataLoader wrapper with the TensorLoader interface (set_epoch, max_steps)."""
+    """DataLoader wrapper with the TensorLoader interface (set_epoch, max_steps). Distributed:
+    the same seeded order on every rank, each loading only its rows of each global batch."""
 
-    def __init__(self, ds: Any, batch_size: int, shuffle: bool, workers: int, seed: int, max_steps: int | None):
+    def __init__(self, ds: Any, batch_size: int, shuffle: bool, workers: int, seed: int, max_steps: int | None,
+                 rank: int = 0, world_size: int = 1):
         self.ds, self.batch_size, self.shuffle = ds, batch_size, shuffle
         self.workers, self.seed, self.epoch, self.max_steps = workers, seed, 0, max_steps
+        self.rank, self.world_size = rank, world_size
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        steps = len(self.ds) // self.batch_size if self.shuffle else math.ceil(len(self.ds) / self.batch_size)
+        gb = self.batch_size * self.world_size
+        steps = len(self.ds) // gb if self.shuffle else math.ceil(len(self.ds) / gb)
         return steps if self.max_steps is None else min(steps, self.max_steps)
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         from torch.utils.data import DataLoader
 
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        if self.world_size > 1:
+            gb, n = self.batch_size * self.world_size, len(self.ds)
+            order = torch.randperm(n, generator=g) if self.shuffle else torch.arange(n)
+            mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+            batches = [b for s in range(len(self)) if len(b := order[s * gb : (s + 1) * gb][mine].tolist())]
+            yield from DataLoader(self.ds, batch_sampler=batches, num_workers=self.workers, pin_memory=True)
+            return
         loader = DataLoader(self.ds, self.batch_size, shuffle=self.shuffle, generator=g,
                             num_workers=self.workers, drop_last=self.shuffle, pin_memory=True,
                             persistent_workers=False)
@@ -335,7 +369,7 @@ class _EpochSeededLoader:
 
 
 def _torch_loaders(train: Any, val: Any, cfg: Mapping[str, Any], batch_size: int, eval_batch_size: int,
-                   seed: int, max_steps: int | None) -> tuple[Any, Any]:
+                   seed: int, max_steps: int | None, rank: int = 0, world_size: int = 1) -> tuple[Any, Any]:
     workers = int(cfg.get("workers", 0))
-    return (_EpochSeededLoader(train, batch_size, True, workers, seed, max_steps),
-            _EpochSeededLoader(val, eval_batch_size, False, workers, seed, None))
+    return (_EpochSeededLoader(train, batch_size, True, workers, seed, max_steps, rank, world_size),
+            _EpochSeededLoader(val, eval_batch_size, False, workers, seed, None, rank, world_size))

@@ -14,7 +14,8 @@ import os
 import random
 import time
 from collections import defaultdict
-from datetime import datetime
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +25,12 @@ import torch.nn.functional as F
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
+from torch import distributed as dist
 from tqdm.auto import tqdm
 
 import lessmem
 from lessmem.data import build_loaders
+from lessmem.loggers import Logger as NullLogger
 from lessmem.loggers import build_logger
 from lessmem.models import build_model
 from lessmem.paths import resolve_path
@@ -57,6 +60,78 @@ def validate(cfg: DictConfig, device: torch.device) -> None:
     for key in ("epochs", "batch_size", "eval_batch_size", "memory_batch", "checkpoint_every"):
         if int(cfg[key]) < 1:
             raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
+    if cfg.get("sync_bn") and _world_size() > 1:
+        if device.type != "cuda":
+            raise ValueError(
+                "sync_bn=true needs CUDA: torch's SyncBatchNorm has no CPU (gloo) implementation. "
+                "On CPU use sync_bn=false (BatchNorm statistics per rank) or a model without BatchNorm"
+            )
+        if cfg.compression.get("norm_storage", "native") != "native":
+            raise ValueError("sync_bn=true needs compression.norm_storage=native (SyncBatchNorm "
+                             "replaces the reduced-storage BatchNorm layers)")
+
+
+# --------------------------------------------------------------------------- distributed
+
+
+@dataclass
+class DistInfo:
+    """This process's place in a ``torchrun`` job; rank 0 of 1 without one."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    owns_group: bool = False  # init_process_group was called here (destroyed at the end of run)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _world_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_main_process() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def setup_distributed(cfg: DictConfig, device: torch.device) -> tuple[DistInfo, torch.device]:
+    """Join the process group ``torchrun`` describes (WORLD_SIZE / RANK / LOCAL_RANK in the
+    environment). ``distributed.backend``: auto = nccl on CUDA, gloo on CPU. Each rank uses GPU
+    ``LOCAL_RANK`` when the device is CUDA. One process (no torchrun): nothing to do."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 and not (dist.is_available() and dist.is_initialized()):
+        return DistInfo(), device
+    dcfg = cfg.get("distributed") or {}
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    owns = False
+    if not dist.is_initialized():
+        backend = str(dcfg.get("backend", "auto"))
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=int(dcfg.get("timeout_s", 1800))))
+        owns = True
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, owns), device
+
+
+def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum per-rank numbers over all ranks (unchanged in one process)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=on)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
 def compression_map(ccfg: DictConfig) -> dict[str, Any]:
@@ -173,8 +248,12 @@ def grad_cosine(model: nn.Module, x: Tensor, y: Tensor, criterion: nn.Module, de
             loss = criterion(exact(x), y)
         loss.backward()
     out = {}
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     for name, g in grads.items():
         ge = exact.get_submodule(name).weight.grad
+        if ge is not None and world > 1:  # DDP averaged the compressed grads over the ranks
+            dist.all_reduce(ge)
+            ge /= world
         if g is not None and ge is not None:
             out[name] = F.cosine_similarity(g.flatten().float(), ge.flatten().float(), dim=0).item()
     return out
@@ -194,6 +273,7 @@ def evaluate(model: nn.Module, loader: Any, criterion: nn.Module, device: torch.
         top1 += (top[:, 0] == y).sum().item()
         top5 += (top == y[:, None]).any(dim=1).sum().item()
         n += len(y)
+    loss_sum, top1, top5, n = _all_reduce_sum([loss_sum, top1, top5, n], device)  # ranks' shards
     return {"val_loss": loss_sum / n, "val_top1": top1 / n, "val_top5": top5 / n}
 
 
@@ -240,10 +320,17 @@ def default_out_dir() -> Path:
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train ``cfg.model`` on ``cfg.dataset`` with ``cfg.compression``; returns the final metrics."""
     cfg = copy.deepcopy(cfg)
+    device = resolve_device(str(cfg.device))
+    # Under torchrun: batch_size is per rank (global batch = world_size x batch_size), each rank
+    # trains on its shard of every global batch, rank 0 writes files and talks to W&B.
+    ddp, device = setup_distributed(cfg, device)
     out_dir = Path(cfg.get("out_dir") or default_out_dir()).resolve()
+    if ddp.world_size > 1:  # rank 0's (Hydra's run dir may differ by a second between ranks)
+        box = [str(out_dir)]
+        dist.broadcast_object_list(box, src=0)
+        out_dir = Path(box[0])
     with _open_struct(cfg):
         cfg.out_dir = str(out_dir)
-    device = resolve_device(str(cfg.device))
     validate(cfg, device)
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path = out_dir / "checkpoint.pt"
@@ -258,7 +345,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     model_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
     model = build_model(cfg.model.name, **model_kwargs)
     train_loader, val_loader = build_loaders(
-        cfg.dataset, int(cfg.batch_size), int(cfg.eval_batch_size), seed, cfg.get("max_steps_per_epoch")
+        cfg.dataset, int(cfg.batch_size), int(cfg.eval_batch_size), seed, cfg.get("max_steps_per_epoch"),
+        rank=ddp.rank, world_size=ddp.world_size,
     )
     stock = copy.deepcopy(model)
     mapping = compression_map(cfg.compression)
@@ -272,9 +360,17 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     model.to(device)
     memory = measure(stock, model, first_images(val_loader, int(cfg.memory_batch)), device, cfg.precision)
     del stock
+    net = model  # the module itself: optimizer, checkpoints, evaluation, grad cosine
+    if ddp.world_size > 1:
+        if cfg.get("sync_bn"):
+            net = model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        # Compressed layers are autograd Functions with ordinary parameters: DDP's hooks
+        # all-reduce (average) their weight gradients like any other layer's.
+        model = nn.parallel.DistributedDataParallel(
+            net, device_ids=[device.index] if device.type == "cuda" else None)
 
     criterion = nn.CrossEntropyLoss(label_smoothing=float(cfg.get("label_smoothing", 0.0)))
-    optimizer = build_optimizer(cfg.optimizer, model.parameters())
+    optimizer = build_optimizer(cfg.optimizer, net.parameters())
     steps_per_epoch = len(train_loader)
     scheduler = build_scheduler(cfg.scheduler, optimizer, int(cfg.epochs), steps_per_epoch)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
@@ -283,7 +379,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if cfg.resume:
         ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
         _check_compatible(ckpt.get("config", {}), cfg)
-        model.load_state_dict(ckpt["model"])
+        net.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         # Recompute the lr from the (possibly longer) schedule: resuming with more epochs than
@@ -293,11 +389,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         scaler.load_state_dict(ckpt["scaler"])
         set_rng_state(ckpt["rng"])
         start_epoch, history = int(ckpt["epoch"]), list(ckpt["history"])
-    # Rewrite from the checkpoint: drops lines of epochs that finished after the last checkpoint.
-    atomic_write_text("".join(json.dumps(h) + "\n" for h in history), out_dir / "metrics.jsonl")
-    OmegaConf.save(cfg, out_dir / "config.yaml", resolve=True)
+    if ddp.is_main:
+        # Rewrite from the checkpoint: drops lines of epochs that finished after the last checkpoint.
+        atomic_write_text("".join(json.dumps(h) + "\n" for h in history), out_dir / "metrics.jsonl")
+        OmegaConf.save(cfg, out_dir / "config.yaml", resolve=True)
 
-    logger = build_logger(cfg, out_dir)
+    logger = build_logger(cfg, out_dir) if ddp.is_main else NullLogger()
     try:
         logger.summary({k: v for k, v in memory.items() if k != "saved_bytes_per_layer"})
         for epoch in range(start_epoch, int(cfg.epochs)):
@@ -307,27 +404,32 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             train_loader.set_epoch(epoch)
             record = train_epoch(model, train_loader, criterion, optimizer, scheduler, scaler, cfg,
                                  device, epoch, steps_per_epoch, logger, out_dir)
-            record.update(evaluate(model, val_loader, criterion, device, cfg.precision))
+            record.update(evaluate(net, val_loader, criterion, device, cfg.precision))
             history.append(record)
-            with (out_dir / "metrics.jsonl").open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            if ddp.is_main:
+                with (out_dir / "metrics.jsonl").open("a") as f:
+                    f.write(json.dumps(record) + "\n")
             logger.log(_wandb_names(record))
             done = epoch + 1
-            if done % int(cfg.checkpoint_every) == 0 or done == int(cfg.epochs):
+            if ddp.is_main and (done % int(cfg.checkpoint_every) == 0 or done == int(cfg.epochs)):
                 atomic_torch_save({
-                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "model": net.state_dict(), "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                     "epoch": done, "rng": rng_state(), "history": history, "memory": memory,
                     "config": OmegaConf.to_container(cfg, resolve=True),
                 }, ckpt_path)
         metrics = summarize(cfg, history, memory)
-        atomic_write_text(json.dumps(metrics, indent=2), out_dir / "metrics.json")
+        if ddp.is_main:
+            atomic_write_text(json.dumps(metrics, indent=2), out_dir / "metrics.json")
         logger.summary({k: v for k, v in metrics.items() if not isinstance(v, (list, dict))})
         logger.results(metrics)  # W&B: trade-off table row + memory-vs-accuracy plot
     except BaseException:
         logger.finish(exit_code=1)
         raise
     logger.finish(exit_code=0)
+    if ddp.owns_group:
+        dist.barrier()
+        dist.destroy_process_group()
     return metrics
 
 
@@ -340,8 +442,9 @@ def train_epoch(model: nn.Module, loader: Any, criterion: nn.Module, optimizer: 
     cos_every = int(cfg.get("grad_cosine_every") or 0)
     cos_sums: dict[str, list[float]] = defaultdict(list)
     start = time.perf_counter()
+    main = is_main_process()
     bar = tqdm(loader, total=steps_per_epoch, desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="step",
-               dynamic_ncols=True, disable=None, leave=False)
+               dynamic_ncols=True, disable=None if main else True, leave=False)
     for step, (x, y) in enumerate(bar):
         global_step = epoch * steps_per_epoch + step
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -351,10 +454,10 @@ def train_epoch(model: nn.Module, loader: Any, criterion: nn.Module, optimizer: 
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
         if cos_every and global_step % cos_every == 0:
-            cos = grad_cosine(model, x, y, criterion, device, cfg.precision)
+            cos = grad_cosine(_unwrap(model), x, y, criterion, device, cfg.precision)
             for name, c in cos.items():
                 cos_sums[name].append(c)
-            if cos:
+            if cos and main:
                 with (out_dir / "grad_cosine.jsonl").open("a") as f:
                     f.write(json.dumps({"step": global_step, "epoch": epoch + 1, "cosine": cos}) + "\n")
                 logger.log({"step": global_step, **{f"grad_cosine/{n}": c for n, c in cos.items()}})
@@ -366,6 +469,7 @@ def train_epoch(model: nn.Module, loader: Any, criterion: nn.Module, optimizer: 
         seen += len(y)
         bar.set_postfix(loss=f"{loss_sum / seen:.3f}", lr=f"{optimizer.param_groups[0]['lr']:.3g}")
     bar.close()
+    loss_sum, correct, seen = _all_reduce_sum([loss_sum, correct, seen], device)  # global batch
     elapsed = time.perf_counter() - start
     record: dict[str, Any] = {
         "epoch": epoch + 1, "lr": lr, "train_loss": loss_sum / seen, "train_top1": correct / seen,

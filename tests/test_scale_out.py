@@ -1,0 +1,113 @@
+"""Scale-out: Hydra joblib / submitit_local launchers, torchrun DDP equivalence (CPU, gloo),
+Optuna workers sharing one study. All on tiny synthetic data."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).parents[1]
+TINY = ["dataset=synthetic", "dataset.size=32", "dataset.val_size=16", "batch_size=16",
+        "eval_batch_size=16", "memory_batch=2", "epochs=1", "max_steps_per_epoch=1",
+        "logger=disabled", "device=cpu"]
+# BN-free (LayerNorm) ViT, one block of width 32, with every conv / linear input pooled 2x2:
+# torch's SyncBatchNorm is CUDA-only, and DDP without it keeps BatchNorm statistics per rank.
+TINY_VIT = ["model=vit_tiny_cifar", "+model.num_layers=1", "+model.hidden_dim=32", "+model.mlp_dim=64",
+            "+model.num_heads=2", "+model.patch_size=8", "compression=pool2", "dataset=synthetic",
+            "dataset.size=32", "dataset.val_size=16", "dataset.augment=true", "epochs=1",
+            "max_steps_per_epoch=2", "memory_batch=2", "eval_batch_size=8", "logger=disabled", "device=cpu"]
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HYDRA_FULL_ERROR": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
+    return env
+
+
+def _run(cmd: list[str], cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def test_joblib_multirun_two_parallel_jobs(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    _run([sys.executable, "-m", "lessmem.train", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+          "compression=none,pool2", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path)
+    results = sorted(sweep.glob("*/metrics.json"))
+    assert len(results) == 2
+    assert {json.loads(p.read_text())["compression"] for p in results} == {"none", "pool2"}
+
+
+def test_submitit_local_job(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    _run([sys.executable, "-m", "lessmem.train", "-m", "hydra/launcher=submitit_local",
+          "hydra.launcher.timeout_min=5", "compression=pool2", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path)
+    results = list(sweep.glob("*/metrics.json"))
+    assert len(results) == 1 and json.loads(results[0].read_text())["compression"] == "pool2"
+    assert list((sweep / ".submitit").rglob("*_result.pkl"))  # ran as a submitit job
+
+
+def test_launcher_and_grid_configs_compose(tmp_path: Path) -> None:
+    """The SLURM presets and the grid sweep file resolve (nothing is submitted)."""
+    from hydra import compose, initialize_config_dir
+
+    from lessmem.paths import conf_dir
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=["hydra/launcher=slurm_gpu", "hydra.launcher.partition=gpu"],
+                      return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher") and launcher.partition == "gpu"
+    assert launcher.gpus_per_node == 1 and launcher.timeout_min > 0
+    assert "distributed" in cfg and cfg.sync_bn is False
+    proc = _run([sys.executable, "-m", "lessmem.train", "-cd", str(REPO / "sweeps"), "-cn",
+                 "grid_cifar", "--cfg", "hydra", "-p", "hydra.sweeper.params"], tmp_path, timeout=120)
+    for key in ("model:", "compression:", "seed:"):
+        assert key in proc.stdout, proc.stdout
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+def test_torchrun_two_ranks_equal_one_process_double_batch(tmp_path: Path) -> None:
+    """2 gloo ranks with batch 4 each == 1 process with batch 8 (compressed layers on, augmentation
+    on, SGD with momentum, 2 steps); only rank 0 writes files."""
+    _run([sys.executable, "-m", "lessmem.train", *TINY_VIT, "batch_size=8", f"out_dir={tmp_path / 'one'}",
+          f"hydra.run.dir={tmp_path / 'h1'}"], tmp_path)
+    _run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "lessmem.train", *TINY_VIT, "batch_size=4",
+          f"out_dir={tmp_path / 'two'}", f"hydra.run.dir={tmp_path / 'h2'}"], tmp_path)
+    one = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)
+    two = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)
+    assert one["model"].keys() == two["model"].keys()  # no "module." prefix
+    for k, v in one["model"].items():
+        torch.testing.assert_close(two["model"][k], v, rtol=1e-4, atol=1e-5, msg=k)
+    assert two["memory"]["ratio"] < 1  # compressed layers were on
+    h1, h2 = one["history"][0], two["history"][0]
+    for key in ("train_loss", "train_top1", "val_loss", "val_top1"):
+        assert h2[key] == pytest.approx(h1[key], rel=1e-5, abs=1e-6), key
+    m = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert m["epochs"] == 1 and len((tmp_path / "two" / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_tensor_loader_shards_equal_global_batch() -> None:
+    from lessmem.data import TensorImages, TensorLoader
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorImages(torch.randint(0, 255, (20, 3, 8, 8), generator=g, dtype=torch.uint8),
+                        torch.arange(20), ["x"])
+    kw = {"shuffle": True, "augment": True, "mean": [0.5] * 3, "std": [0.25] * 3, "seed": 3, "drop_last": True}
+    full = list(TensorLoader(data, 6, **kw))
+    shards = [list(TensorLoader(data, 3, rank=r, world_size=2, **kw)) for r in range(2)]
+    assert len(full) == len(shards[0]) == len(shards[1]) == 3
+    for step, (x, y) in enumerate(full):
+        torch.testing.assert_close(torch.cat([shards[0][step][0], shards[1][step][0]]), x)
+        assert torch.equal(torch.cat([shards[0][step][1], shards[1][step][1]]), y)
+    val = [list(TensorLoader(data, 8, shuffle=False, augment=False, mean=[0.5] * 3, std=[0.25] * 3,
+                             rank=r, world_size=2)) for r in range(2)]
+    assert sorted(torch.cat([y for part in val for _, y in part]).tolist()) == list(range(20))
