@@ -105,6 +105,7 @@ def row_from(cfg: Mapping[str, Any], metrics: Mapping[str, Any], *, name: str | 
         "train_time_s": metrics.get("train_time_s"),
         "epochs": metrics.get("epochs", len(history or [])),
         "model": metrics.get("model") or (cfg.get("model") or {}).get("name"),
+        "epochs_planned": cfg.get("epochs"),
         "best_top1": metrics.get("best_top1"),
         "history": list(history if history is not None else metrics.get("history", [])),
         "complete": complete, "path": path,
@@ -440,7 +441,7 @@ def plot_ratio_bars(rows: Sequence[Mapping[str, Any]], path: str | Path, title: 
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(range(len(models)), models)
     ax.set_ylabel("saved-for-backward bytes / stock")
-    ax.set_ylim(0, 1.25)
+    ax.set_ylim(0, 1.45)
     ax.set_title(title or "saved bytes relative to stock PyTorch", fontsize=10)
     ax.legend(fontsize=7, ncol=2)
     ax.grid(axis="y", alpha=0.3)
