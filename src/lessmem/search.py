@@ -15,6 +15,15 @@ core does); its differences between maps equal those of ``lessmem.measure_memory
 The study lives in an Optuna journal file: rerunning the same command resumes it and runs only the
 trials still missing (``n_trials`` counts complete + pruned ones). Every trial writes its composed
 train config and its map, so it can be re-run as a plain ``lessmem-train`` run.
+
+Many workers (``--worker``, docs/scale_out.md): start the same command any number of times, on
+any hosts that reach the storage (``storage``: a journal file on a shared file system, or an
+RDB URL such as ``postgresql://user:pw@host/db``, ``mysql+pymysql://...``, ``sqlite:///f.db``).
+Workers share the fixed total: together they finish exactly ``n_trials`` (a trial that would
+exceed it is dropped before it runs). RDB storages heartbeat every trial; a trial of a killed
+worker goes stale after ``grace_s`` and is retried (``RetryFailedTrialCallback``). Journal
+storages have no heartbeat: a worker fails only RUNNING trials whose process is gone on its
+own host, never one that another live worker runs.
 """
 
 from __future__ import annotations
@@ -23,7 +32,11 @@ import argparse
 import csv
 import json
 import logging
+import os
+import random
+import socket
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,6 +73,12 @@ DEFAULTS: dict[str, Any] = {
     "base_overrides": ["logger=disabled"],
     "score_key": "best_top1",       # accuracy: which metrics.json entry is the score
     "sensitivity": {"batches": 4, "batch_size": 32, "split": "train", "checkpoint": None},
+    # Shared studies (--worker): RDB heartbeat / stale grace and retries of killed trials;
+    # poll_s: how often a worker waits for the last trials other workers are running.
+    "heartbeat_s": 60,
+    "grace_s": 180,
+    "max_retry": 2,
+    "poll_s": 5.0,
 }
 
 
@@ -105,6 +124,9 @@ def study_sensitivity(sweep: DictConfig, base: DictConfig, out_dir: Path) -> Sen
     cache = out_dir / "sensitivity" / "sensitivity.json"
     if cache.exists():
         return SensitivityResult.load(cache)
+    # Workers started together all compute it (deterministic); the first rename wins.
+    final_dir = cache.parent
+    tmp_dir = final_dir.with_name(f".sensitivity.{socket.gethostname()}.{os.getpid()}")
     opts = sweep.sensitivity
     import torch
 
@@ -116,7 +138,14 @@ def study_sensitivity(sweep: DictConfig, base: DictConfig, out_dir: Path) -> Sen
     result = sensitivity(model.train(), batches, list(sweep.kernels), progress=True)
     result.meta.update({"model": str(base.model.name), "dataset": str(base.dataset.name),
                         "batch_size": int(opts.batch_size), "weights": str(opts.get("checkpoint") or "random init")})
-    result.save(cache.parent)
+    result.save(tmp_dir)
+    try:
+        os.rename(tmp_dir, final_dir)
+    except OSError:  # another worker was first
+        import shutil
+
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        return SensitivityResult.load(cache)
     return result
 
 
@@ -143,16 +172,40 @@ def seed_maps(result: SensitivityResult, units: Mapping[str, list[str]], sweep: 
     return seeds
 
 
-def open_study(sweep: DictConfig, storage_path: Path) -> optuna.Study:
+def make_storage(sweep: DictConfig, storage: str | Path) -> Any:
+    """An RDB URL (``scheme://...``): RDBStorage with heartbeats, killed trials retried; anything
+    else: a journal file (lock-protected appends, safe on a shared file system)."""
+    if "://" in str(storage):
+        from optuna.storages import RDBStorage
+
+        try:  # Optuna >= 4.9; RetryFailedTrialCallback before (same behaviour)
+            from optuna.storages import RetryHeartbeatStaleTrialCallback as Retry
+        except ImportError:
+            from optuna.storages import RetryFailedTrialCallback as Retry
+        return RDBStorage(str(storage), heartbeat_interval=int(sweep.heartbeat_s),
+                          grace_period=int(sweep.grace_s),
+                          heartbeat_stale_trial_callback=Retry(max_retry=int(sweep.max_retry)))
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
-    storage_path.parent.mkdir(parents=True, exist_ok=True)
-    storage = JournalStorage(JournalFileBackend(str(storage_path)))
+    Path(storage).parent.mkdir(parents=True, exist_ok=True)
+    return JournalStorage(JournalFileBackend(str(storage)))
+
+
+def open_study(sweep: DictConfig, storage_path: str | Path, worker: bool = False) -> optuna.Study:
+    return _open_study(sweep, storage_path, worker)[0]
+
+
+def _open_study(sweep: DictConfig, storage_path: str | Path, worker: bool = False) -> tuple[optuna.Study, bool]:
+    """(study, created here)."""
+    storage = make_storage(sweep, storage_path)
     # Offset the sampler seed by the trials already stored: a resumed study must not replay the
-    # first generation's random proposals.
+    # first generation's random proposals. Workers also differ by host and pid: workers started
+    # together would otherwise propose the same maps.
     existing = _n_existing(storage, sweep.study_name)
     seed = int(sweep.seed) + existing
+    if worker:
+        seed += (hash(socket.gethostname()) + 7919 * os.getpid()) % 1_000_003
     if sweep.mode == "pareto":
         sampler: optuna.samplers.BaseSampler = optuna.samplers.NSGAIISampler(
             population_size=int(sweep.population_size), seed=seed)
@@ -161,8 +214,11 @@ def open_study(sweep: DictConfig, storage_path: Path) -> optuna.Study:
         # Constraint values come from trial.set_constraint (Optuna 5; constraints_func is deprecated).
         sampler = optuna.samplers.TPESampler(seed=seed)
         directions = ["maximize"]
-    return optuna.create_study(study_name=sweep.study_name, storage=storage, sampler=sampler,
-                               directions=directions, load_if_exists=True)
+    try:
+        return optuna.create_study(study_name=sweep.study_name, storage=storage, sampler=sampler,
+                                   directions=directions), True
+    except optuna.exceptions.DuplicatedStudyError:
+        return optuna.load_study(study_name=sweep.study_name, storage=storage, sampler=sampler), False
 
 
 def _n_existing(storage: Any, name: str) -> int:
@@ -181,6 +237,95 @@ def fail_stale(study: optuna.Study) -> list[int]:
         study.tell(t.number, state=optuna.trial.TrialState.FAIL)
         study.enqueue_trial(t.params, user_attrs={k: v for k, v in t.user_attrs.items() if k == "seed"})
     return [t.number for t in stale]
+
+
+def fail_dead_trials(study: optuna.Study, grace_s: float) -> list[int]:
+    """Worker-safe stale handling. Heartbeat storages (RDB): Optuna fails trials whose heartbeat
+    stopped and the retry callback queues them again. Journal: fail (and queue again) only
+    RUNNING trials whose recorded worker process no longer exists on this host, or with no
+    worker recorded ``grace_s`` after their start; trials of live workers and of other hosts are
+    left alone (recover those with a worker on their host, or an RDB storage)."""
+    from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
+
+    storage = study._storage
+    if isinstance(storage, BaseHeartbeat) and is_heartbeat_enabled(storage):
+        optuna.storages.fail_stale_trials(study)
+        return []
+    host, now, failed = socket.gethostname(), time.time(), []
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        owner = t.user_attrs.get("worker")
+        if owner:
+            dead = owner.get("host") == host and not _pid_alive(int(owner.get("pid", -1)))
+        else:
+            dead = t.datetime_start is not None and now - t.datetime_start.timestamp() > grace_s
+        if not dead:
+            continue
+        try:
+            study.tell(t.number, state=optuna.trial.TrialState.FAIL)
+        except (RuntimeError, ValueError):  # another worker failed it first
+            continue
+        study.enqueue_trial(t.params, user_attrs={k: v for k, v in t.user_attrs.items() if k == "seed"})
+        failed.append(t.number)
+    return failed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _Surplus(Exception):
+    """The study already holds n_trials finished or running trials (other workers')."""
+
+
+class SharedBudget:
+    """Wraps the objective for workers: records the worker (host, pid) on the trial, and drops
+    the trial before it runs when the other COMPLETE / PRUNED / RUNNING trials already make
+    ``n_trials``. Each trial is RUNNING (visible) before it checks, so of trials that check at
+    the same time at most the allowed number proceed: the total never exceeds ``n_trials``."""
+
+    def __init__(self, objective: Any, n_trials: int) -> None:
+        self.objective, self.n_trials = objective, n_trials
+
+    def __call__(self, trial: optuna.Trial) -> Any:
+        trial.set_user_attr("worker", {"host": socket.gethostname(), "pid": os.getpid()})
+        counted = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED,
+                   optuna.trial.TrialState.RUNNING)
+        others = [t for t in trial.study.get_trials(deepcopy=False, states=counted) if t.number != trial.number]
+        if len(others) >= self.n_trials:
+            fixed = trial.study._storage.get_trial(trial._trial_id).system_attrs.get("fixed_params")
+            if fixed:  # a queued map (seed or retry): give it back to the queue
+                trial.study.enqueue_trial(fixed, user_attrs={k: v for k, v in trial.user_attrs.items() if k == "seed"})
+            trial.set_user_attr("surplus", True)
+            raise _Surplus(f"study already has {len(others)} finished or running trials")
+        return self.objective(trial)
+
+
+def optimize_shared(study: optuna.Study, objective: Any, sweep: DictConfig, catch: tuple) -> None:
+    """Run trials until the study holds ``n_trials`` finished ones, whoever runs them."""
+    n, poll = int(sweep.n_trials), float(sweep.poll_s)
+    budget = SharedBudget(objective, n)
+    stop = optuna.study.MaxTrialsCallback(n, states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED))
+    while True:
+        fail_dead_trials(study, float(sweep.grace_s))
+        done = n_finished(study)
+        running = len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)))
+        if done >= n:
+            return
+        if done + running >= n:  # the last trials run elsewhere; take over if they fail
+            time.sleep(poll)
+            continue
+        study.optimize(budget, n_trials=1, catch=(*catch, _Surplus), callbacks=[stop])
+        last = study.get_trials(deepcopy=False)[-1] if study.trials else None
+        if last is not None and last.user_attrs.get("surplus"):
+            time.sleep(random.uniform(0.05, 0.5))  # back off: a simultaneous start dropped
 
 
 def n_finished(study: optuna.Study) -> int:
@@ -234,26 +379,45 @@ class Objective:
         return float(metrics[self.sweep.score_key])
 
 
-def run_search(sweep: DictConfig) -> dict[str, Any]:
-    """Create or resume the study, run the missing trials, write the report; returns a summary."""
+def run_search(sweep: DictConfig, worker: bool = False) -> dict[str, Any]:
+    """Create or resume the study, run the missing trials, write the report; returns a summary.
+    ``worker``: one of several processes sharing the study (see the module docstring)."""
     out_dir = Path(sweep.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(sweep, out_dir / "sweep.yaml")
     base = compose_config(list(sweep.base_overrides))
     result = study_sensitivity(sweep, base, out_dir)
     objective = Objective(sweep, base, result, out_dir)
-    study = open_study(sweep, Path(sweep.storage))
-    stale = fail_stale(study)
-    if not study.trials:
+    study, created = _open_study(sweep, sweep.storage, worker)
+    stale = fail_dead_trials(study, float(sweep.grace_s)) if worker else fail_stale(study)
+    if (created if worker else not study.trials):  # workers: only the one that created the study
         for label, params in seed_maps(result, objective.units, sweep).items():
             study.enqueue_trial({_param(u): k for u, k in params.items()}, user_attrs={"seed": label})
     remaining = int(sweep.n_trials) - n_finished(study)
     log.info("study %s: %d finished, running %d more%s", sweep.study_name, n_finished(study),
              max(remaining, 0), f" (failed stale trials {stale})" if stale else "")
+    if worker:
+        optimize_shared(study, objective, sweep, catch=(RuntimeError, ValueError))
+        with _file_lock(out_dir / ".report.lock"):  # workers finishing together
+            return write_report(study, result, sweep, out_dir)
     if remaining > 0:
         study.optimize(objective, n_trials=remaining, catch=(RuntimeError, ValueError),
                        show_progress_bar=sys.stderr.isatty())
     return write_report(study, result, sweep, out_dir)
+
+
+class _file_lock:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> None:
+        import fcntl
+
+        self.f = self.path.open("a")
+        fcntl.flock(self.f, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.f.close()  # releases the lock
 
 
 # --------------------------------------------------------------------------- report
@@ -385,13 +549,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Optuna search over compression maps (resumable). Extra KEY=VALUE arguments "
                     f"override the sweep file; keys: {', '.join(sorted(DEFAULTS))}.")
     parser.add_argument("--config", help="sweep YAML, e.g. sweeps/fidelity_resnet18_cifar.yaml")
+    parser.add_argument("--worker", action="store_true",
+                        help="one of several processes sharing the study: start the same command "
+                             "N times (any hosts); together they finish exactly n_trials")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE, e.g. n_trials=80 out_dir=/tmp/s")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
         sweep = load_sweep(args.config, args.overrides)
-        summary = run_search(sweep)
+        summary = run_search(sweep, worker=args.worker)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"lessmem-search: error: {e}", file=sys.stderr)
         return 2
