@@ -226,3 +226,17 @@ def test_make_results_handles_missing_and_present(sweep: Path, tmp_path: Path) -
     for name in ("accuracy_curves.png", "memory_vs_accuracy.png"):
         valid_png(results / "cifar10_resnet20" / name)
         assert f"results/cifar10_resnet20/{name}" in text
+
+
+def test_hydra_sweep_callback(sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``+hydra.callbacks.tradeoff._target_=lessmem.report.WandbSweepCallback``: at the end of a
+    multirun, one offline W&B run with the sweep table and the report files."""
+    from omegaconf import OmegaConf
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logged = []
+    monkeypatch.setattr(R, "log_dir_to_wandb", lambda root, **kw: logged.append((Path(root), kw)) or {})
+    R.WandbSweepCallback().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    assert logged == [(sweep, {"project": "lessmem", "mode": "offline"})]
+    valid_png(sweep / "report" / "memory_vs_accuracy.png")
+    assert [r["name"] for r in R.load_runs(sweep)] == ["0_compression=none", "1_compression=pool2"]

@@ -120,6 +120,23 @@ def load_runs(root: str | Path) -> list[dict[str, Any]]:
     dirs = {p.parent for pat in ("metrics.json", "metrics.jsonl") for p in root.rglob(pat)
             if "wandb" not in p.parts}
     rows = [r for d in sorted(dirs) if (r := run_row(d)) is not None]
+    return _short_names(rows)
+
+
+def _short_names(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Hydra multirun dirs (``3_batch_size=128,compression=pool2,...``) -> ``3_compression=pool2``:
+    only the overrides that differ between the runs."""
+    parsed = []
+    for r in rows:
+        num, _, rest = r["name"].partition("_")
+        items = [kv for kv in rest.split(",") if "=" in kv]
+        if not num.isdigit() or not items:
+            return rows
+        parsed.append((num, dict(kv.split("=", 1) for kv in items)))
+    keys = {k for _, d in parsed for k in d}
+    varying = [k for k in sorted(keys) if len({d.get(k) for _, d in parsed}) > 1]
+    for r, (num, d) in zip(rows, parsed, strict=True):
+        r["name"] = num + "_" + ",".join(f"{k}={d[k]}" for k in varying if k in d) if varying else r["name"]
     return rows
 
 
