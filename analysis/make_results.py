@@ -118,8 +118,11 @@ def cifar_section(cifar: Path, results: Path, docs: Path) -> tuple[list[str], li
     out = results / "cifar10_resnet20"
     if out.exists():
         shutil.rmtree(out)
-    rep = R.report_dir(cifar, out, title=f"resnet20, CIFAR-10, {'/'.join(map(str, epochs))} epochs (CPU)")
     running = [r["name"] for r in rows if not r.get("complete", True)]
+    done = min(int(r.get("epochs") or 0) for r in rows)
+    title = f"resnet20, CIFAR-10, {'/'.join(map(str, epochs))} epochs (CPU)" + (
+        f" - PARTIAL, >= {done} epoch(s) done" if running else "")
+    rep = R.report_dir(cifar, out, title=title)
     lines = head + [rep["markdown"]]
     if running:
         lines += [f"*Still running when this file was generated: {', '.join(running)} — numbers are "
@@ -257,6 +260,20 @@ def build(args: argparse.Namespace) -> str:
         "",
         *embed_table(results / "vit_memory.md", docs),
         *embed_table(results / "vit_cifar.md", docs),
+        "## Tooling: the same tables for any sweep or search",
+        "",
+        "- `python analysis/report.py <sweep-or-search-dir>`: `table.md`/`table.csv` (one row per "
+        "configuration: map, kernels, saved bytes, CUDA peak when on a GPU, ratio to stock, top-1/top-5, "
+        "train time), `memory_vs_accuracy.png` (Pareto front in red), `accuracy_curves.png`. Reads "
+        "`metrics.json`/`metrics.jsonl` or a search's `study.journal` (Optuna) / `trials.csv`; no W&B needed.",
+        "- `python analysis/per_layer.py --model resnet18 --map '*=4'`: per-block stock vs compressed bars.",
+        "- W&B (offline by default; `wandb sync <dir>/wandb/offline-run-*` later): every run with "
+        "`logger=wandb` logs a `tradeoff/table` row, a memory-vs-accuracy scatter and its accuracy-curve "
+        "figure at the end; `python analysis/wandb_log.py <sweep-or-search-dir>` logs the whole table, "
+        "scatter, Pareto table/line and figure as one run; for Hydra multiruns add "
+        "`+hydra.callbacks.tradeoff._target_=lessmem.report.WandbSweepCallback` to do that (and "
+        "`<sweep>/report/`) automatically at the end.",
+        "",
         "## Pending",
         "",
         *([f"- {', '.join(ours['_small_batch'])} at batch 32 (OOM-killed here; measured at a smaller batch)."]
@@ -266,6 +283,9 @@ def build(args: argparse.Namespace) -> str:
         "- ResNet18 accuracy with the paper's longer schedule (`experiment=paper_resnet18`).",
         "- Accuracy-objective map search (`sweeps/train_resnet20.yaml`) to completion.",
     ]
+    if any(not r.get("complete", True) for r in cifar_rows):
+        L.append(f"- CIFAR-10 resnet20 runs (`{rel(Path(args.cifar).resolve(), REPO)}`) were still running when "
+                 "this file was generated: rerun `python analysis/make_results.py` when they finish.")
     if not cifar_rows:
         L.append(f"- CIFAR-10 resnet20 runs (`{rel(Path(args.cifar).resolve(), REPO)}`): not finished when generated.")
     text = "\n".join(L) + "\n"

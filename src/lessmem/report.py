@@ -82,9 +82,23 @@ def run_row(run_dir: Path) -> dict[str, Any] | None:
             return None
         last = history[-1]
         m = {"final_top1": last.get("val_top1"), "final_top5": last.get("val_top5"),
-             "train_time_s": sum(h.get("epoch_time_s", 0.0) for h in history), "epochs": len(history)}
+             "train_time_s": sum(h.get("epoch_time_s", 0.0) for h in history), "epochs": len(history),
+             **_checkpoint_memory(run_dir / "checkpoint.pt")}
         complete = False
     return row_from(cfg, m, name=run_dir.name, history=history, complete=complete, path=str(run_dir))
+
+
+def _checkpoint_memory(path: Path) -> dict[str, Any]:
+    """Saved-bytes measurement of a run still in progress (it is in its checkpoint)."""
+    if not path.is_file():
+        return {}
+    try:
+        import torch
+
+        mem = torch.load(path, map_location="cpu", weights_only=False).get("memory") or {}
+    except Exception:  # a checkpoint being replaced or from another version: no memory columns
+        return {}
+    return {k: v for k, v in mem.items() if k != "saved_bytes_per_layer"}
 
 
 def row_from(cfg: Mapping[str, Any], metrics: Mapping[str, Any], *, name: str | None = None,
@@ -365,6 +379,12 @@ def plot_accuracy_curves(rows: Sequence[Mapping[str, Any]], path: str | Path, ti
         drawn += 1
     if not drawn:
         ax.text(0.5, 0.5, "no per-epoch history", ha="center", va="center", transform=ax.transAxes)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    planned = [int(r["epochs_planned"]) for r in rows if r.get("epochs_planned")]
+    if planned:
+        ax.set_xlim(0.5, max(planned) + 0.5)
     ax.set_xlabel("epoch")
     ax.set_ylabel("top-1 (%)  (solid: val, dashed: train)")
     ax.set_title(title or "accuracy per epoch", fontsize=10)
