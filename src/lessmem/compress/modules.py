@@ -18,8 +18,10 @@ from .ops import (
     PooledConv2dFunction,
     PooledLinearFunction,
     StoredBatchNormFunction,
+    pool_blocks,
+    pool_tokens,
 )
-from .storage import Storage
+from .storage import Storage, pack_tensor
 
 # Parts without a compiled kernel run eagerly under torch.compile (a graph break, said once).
 _eager_conv = torch.compiler.disable(PooledConv2dFunction.apply)
@@ -91,11 +93,11 @@ class CompressedConv2d(nn.Conv2d):
             if spec.storage == "int8":
                 _warn_eager(self, "int8 storage")
                 return _eager_conv(*args)
-            out, _ = torch.ops.lessmem.pooled_conv2d(
-                x, w, b, list(self.stride), list(padding), list(self.dilation), self.groups,
-                list(spec.kernel), spec.storage == "bf16",
+            pooled = pack_tensor(pool_blocks(x.detach(), spec.kernel), spec.storage)[0]
+            return torch.ops.lessmem.conv2d_keep_pooled(
+                x, pooled, w, b, list(self.stride), list(padding), list(self.dilation), self.groups,
+                list(spec.kernel),
             )
-            return out
         with torch.autocast(x.device.type, enabled=False):
             return PooledConv2dFunction.apply(*args)
 
@@ -126,7 +128,8 @@ class CompressedLinear(nn.Linear):
             if storage == "int8":
                 _warn_eager(self, "int8 storage")
                 return _eager_linear(x, w, b, k, storage)
-            return torch.ops.lessmem.pooled_linear(x, w, b, k, storage == "bf16")[0]
+            pooled = pack_tensor(pool_tokens(x.detach(), k), storage)[0]
+            return torch.ops.lessmem.linear_keep_pooled(x, pooled, w, b, k)
         with torch.autocast(x.device.type, enabled=False):
             return PooledLinearFunction.apply(x, w, b, k, storage)
 
