@@ -14,6 +14,7 @@ import argparse
 import copy
 import csv
 import gc
+from collections.abc import Iterator
 
 import torch
 import torchvision
@@ -50,20 +51,20 @@ def configs_of(name: str) -> dict[str, tuple[dict | None, dict, str]]:
     return VIT_CONFIGS if name.startswith("vit") else CONFIGS
 
 
-def measure(name: str, batch: int, size: int, configs: list[str]) -> list[dict]:
+def measure(name: str, batch: int, size: int, configs: list[str]) -> Iterator[dict]:
+    """One row per configuration, yielded as soon as it is measured."""
     torch.manual_seed(0)
     stock = build(name)
     x = torch.randn(batch, 3, size, size)
     base = lessmem.measure_memory(stock, x).total_bytes
-    rows = [dict(model=name, config="stock PyTorch", saved_mib=base / 2**20, ratio=1.0, note="")]
+    yield dict(model=name, batch=batch, config="stock PyTorch", saved_mib=base / 2**20, ratio=1.0, note="")
     for cfg in configs:
         mapping, kwargs, note = configs_of(name)[cfg]
         model = lessmem.compress(copy.deepcopy(stock), mapping, **kwargs)
         saved = lessmem.measure_memory(model, x).total_bytes
-        rows.append(dict(model=name, config=cfg, saved_mib=saved / 2**20, ratio=saved / base, note=note))
         del model
-        gc.collect()
-    return rows
+        gc.collect()  # one model's saved tensors at a time: batch 32 of resnet50 is GiBs
+        yield dict(model=name, batch=batch, config=cfg, saved_mib=saved / 2**20, ratio=saved / base, note=note)
 
 
 def main() -> None:
@@ -76,7 +77,11 @@ def main() -> None:
     parser.add_argument("--csv", help="also write the table as CSV here")
     args = parser.parse_args()
 
-    rows = []
+    writer = None
+    if args.csv:  # written row by row, so an interrupted run keeps what it measured
+        csv_file = open(args.csv, "w", newline="")  # noqa: SIM115
+        writer = csv.DictWriter(csv_file, fieldnames=["model", "batch", "config", "saved_mib", "ratio", "note"])
+        writer.writeheader()
     print(f"batch {args.batch}, {args.size}x{args.size}, fp32, torch {torch.__version__}, "
           f"torchvision {torchvision.__version__}; saved-for-backward bytes after the forward pass")
     print("| model | config | saved MiB | ratio to stock | note |")
@@ -84,14 +89,13 @@ def main() -> None:
     for name in args.models:
         configs = [c for c in args.configs or configs_of(name) if c in configs_of(name)]
         for row in measure(name, args.batch, args.size, configs):
-            rows.append(row)
             print(f"| {row['model']} | {row['config']} | {row['saved_mib']:.1f} | {row['ratio']:.3f} | {row['note']} |",
                   flush=True)
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+            if writer:
+                writer.writerow(row)
+                csv_file.flush()
+    if writer:
+        csv_file.close()
 
 
 if __name__ == "__main__":
