@@ -176,3 +176,18 @@ def test_worker_stale_handling_spares_live_trials(tmp_path: Path) -> None:
     storage = make_storage(sweep, f"sqlite:///{tmp_path / 'rdb.db'}")
     assert isinstance(storage, RDBStorage) and storage.heartbeat_interval == 60
     assert storage.get_heartbeat_stale_trial_callback() is not None
+
+
+def test_sync_bn_on_cpu_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's SyncBatchNorm is CUDA-only: sync_bn=true with several CPU ranks fails up front."""
+    from hydra import compose, initialize_config_dir
+
+    from lessmem.paths import conf_dir
+    from lessmem.train import validate
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=["sync_bn=true", "device=cpu"])
+    validate(cfg, torch.device("cpu"))  # one process: nothing to synchronize
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="sync_bn=true needs CUDA"):
+        validate(cfg, torch.device("cpu"))
