@@ -187,3 +187,45 @@ def test_wandb_offline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert (out / "wandb_id.txt").read_text().strip() in runs[0].name
     assert any(runs[0].glob("*.wandb"))
     assert metrics["epochs"] == 1
+
+
+def test_coverage_report_written_and_logged_as_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lessmem.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
+    tables: dict[str, list[dict]] = {}
+    original = WandbLogger.table
+
+    def spy(self, key, records):
+        tables[key] = records
+        original(self, key, records)
+
+    monkeypatch.setattr(WandbLogger, "table", spy)
+    out = tmp_path / "run"
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=[
+            "logger=wandb", "logger.mode=offline", "dataset=synthetic", "dataset.size=32",
+            "dataset.val_size=16", "batch_size=16", "memory_batch=4", "epochs=1", "device=cpu",
+            "compression=pool4", "coverage=true", f"out_dir={out}",
+        ])
+    run(cfg)
+    for name in ("coverage.csv", "coverage.json", "coverage.png"):
+        assert (out / name).stat().st_size > 0
+    rows = tables["coverage"]
+    assert {"layer", "op", "bytes", "compressed", "how", "why"} <= set(rows[0])
+    assert any(r["how"] == "pooled 4x4" for r in rows)
+    assert any(not r["compressed"] and "BatchNorm input" in r["why"] for r in rows)
+
+
+@pytest.mark.slow
+def test_compile_true_trains(tmp_path: Path) -> None:
+    """compile=true: the compressed layers are traced as custom ops (minutes of compile on CPU)."""
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=[
+            "logger=disabled", "dataset=synthetic", "dataset.size=64", "dataset.val_size=32",
+            "batch_size=32", "memory_batch=4", "epochs=1", "device=cpu", "compression=pool2",
+            "compile=true", f"out_dir={tmp_path}",
+        ])
+    metrics = run(cfg)
+    assert metrics["epochs"] == 1 and 0.0 <= metrics["final_top1"] <= 1.0

@@ -22,6 +22,9 @@ class Logger:
     def finish(self, exit_code: int = 0) -> None:
         pass
 
+    def table(self, key: str, records: list[dict[str, Any]]) -> None:
+        """A table of rows (e.g. the coverage report); only trackers with tables keep it."""
+
     def results(self, metrics: dict[str, Any]) -> None:
         """End of run: the run's row of the trade-off table (W&B only)."""
 
@@ -103,6 +106,13 @@ class WandbLogger(Logger):
                 self.run.log({"tradeoff/accuracy_curves": wandb.Image(str(png))})
         except Exception as e:
             print(f"lessmem: W&B trade-off table skipped: {type(e).__name__}: {e}")
+
+    def table(self, key: str, records: list[dict[str, Any]]) -> None:
+        import wandb
+
+        if records:
+            columns = list(records[0])
+            self.run.log({key: wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in records])})
 
     def finish(self, exit_code: int = 0) -> None:
         self.run.finish(exit_code=exit_code)

@@ -231,6 +231,15 @@ def measure(stock: nn.Module, model: nn.Module, x: Tensor, device: torch.device,
     return out
 
 
+def write_coverage(model: nn.Module, x: Tensor, out_dir: Path, title: str) -> lessmem.CoverageReport:
+    """Which saved tensors are compressed and which stay full (coverage.csv/json/png)."""
+    from lessmem.coverage_cli import save_report
+
+    report = lessmem.coverage(model, x)
+    save_report(report, out_dir, title)
+    return report
+
+
 def grad_cosine(model: nn.Module, x: Tensor, y: Tensor, criterion: nn.Module, device: torch.device,
                 precision: str) -> dict[str, float]:
     """Cosine(exact weight grad, compressed weight grad) per compressed layer, on the batch whose
@@ -358,8 +367,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             f"compression {cfg.compression.get('name', '?')!r} does not fit model {cfg.model.name!r}: {e}"
         ) from e
     model.to(device)
-    memory = measure(stock, model, first_images(val_loader, int(cfg.memory_batch)), device, cfg.precision)
+    x_memory = first_images(val_loader, int(cfg.memory_batch))
+    memory = measure(stock, model, x_memory, device, cfg.precision)
     del stock
+    coverage = None
+    if cfg.get("coverage") and ddp.is_main:
+        coverage = write_coverage(model, x_memory.to(device), out_dir, f"{cfg.model.name} / {cfg.compression.get('name', 'custom')}")
     net = model  # the module itself: optimizer, checkpoints, evaluation, grad cosine
     if ddp.world_size > 1:
         if cfg.get("sync_bn"):
@@ -368,6 +381,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         # all-reduce (average) their weight gradients like any other layer's.
         model = nn.parallel.DistributedDataParallel(
             net, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.get("compile"):
+        # Compressed layers are custom ops under torch.compile: traced, not graph breaks.
+        model = torch.compile(model, mode=cfg.get("compile_mode") or None)
 
     criterion = nn.CrossEntropyLoss(label_smoothing=float(cfg.get("label_smoothing", 0.0)))
     optimizer = build_optimizer(cfg.optimizer, net.parameters())
@@ -397,6 +413,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     logger = build_logger(cfg, out_dir) if ddp.is_main else NullLogger()
     try:
         logger.summary({k: v for k, v in memory.items() if k != "saved_bytes_per_layer"})
+        if coverage is not None:
+            logger.table("coverage", coverage.as_records())
         for epoch in range(start_epoch, int(cfg.epochs)):
             # Reseeding per epoch makes an epoch's randomness independent of earlier epochs, so a
             # resumed run matches an uninterrupted one without replaying RNG streams.

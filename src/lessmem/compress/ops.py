@@ -142,22 +142,27 @@ class PooledLinearFunction(torch.autograd.Function):
 # Exact companions: activations and max-pooling that keep bits or small indices, not tensors
 # ---------------------------------------------------------------------------------------------
 
-_SHIFTS = torch.arange(8, dtype=torch.uint8)
+# 8 flags (bytes 0/1) in one int64 word -> one byte: multiplying by this constant moves byte i's
+# bit to bit 56 + i with no carries (each product term lands on its own bit), then >> 56.
+_GATHER = 0x0102040810204080
+_SPREAD = 0x0101010101010101  # one byte -> the same byte in all 8 lanes
+_SELECT = 0x8040201008040201 - 2**64  # lane i keeps bit i (as a signed int64 constant)
 
 
 def pack_bits(mask: Tensor) -> Tensor:
-    """Bool tensor -> uint8 tensor with 8 flags per byte (1 bit per element)."""
+    """Bool tensor -> uint8 tensor with 8 flags per byte (1 bit per element, element i of each
+    group of 8 in bit i)."""
     flat = mask.reshape(-1)
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    bytes_ = flat.view(-1, 8).to(torch.uint8) << _SHIFTS.to(mask.device)
-    return bytes_.sum(1, dtype=torch.uint8)
+    words = flat.view(torch.uint8).view(torch.int64)
+    return ((words * _GATHER) >> 56).to(torch.uint8)
 
 
 def unpack_bits(packed: Tensor, shape: torch.Size) -> Tensor:
-    bits = (packed[:, None] >> _SHIFTS.to(packed.device)) & 1
-    return bits.view(-1)[: shape.numel()].view(shape).bool()
+    words = (packed.to(torch.int64) * _SPREAD) & torch.tensor(_SELECT, device=packed.device)
+    return words.view(torch.uint8).view(-1)[: shape.numel()].view(shape).bool()
 
 
 class MaskedActivationFunction(torch.autograd.Function):
