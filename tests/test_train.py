@@ -229,3 +229,26 @@ def test_compile_true_trains(tmp_path: Path) -> None:
         ])
     metrics = run(cfg)
     assert metrics["epochs"] == 1 and 0.0 <= metrics["final_top1"] <= 1.0
+
+
+@needs_cifar
+def test_adaptive_schedule_reassigns_kernels_within_budget(tmp_path: Path) -> None:
+    import lessmem
+
+    out = tmp_path / "adaptive"
+    metrics = run(make_cfg(out, "adaptive.every=1", "adaptive.budget=0.3", "adaptive.probe_batch=16",
+                           "compression=none"))
+    changes = [json.loads(line) for line in (out / "adaptive.jsonl").read_text().splitlines()]
+    assert [c["epoch"] for c in changes] == [0, 1]  # epochs=2, re-measured every epoch
+    for c in changes:
+        assert c["conv_input_bytes"] <= 0.3 * c["conv_input_bytes_uncompressed"]
+        assert c["map"] and all(k > 1 for k in c["map"].values())
+        assert 0.0 < c["mean_grad_cosine"] < 1.0
+    assert (out / "sensitivity.csv").read_text().count("\n") > 1
+    assert metrics["epochs"] == 2
+    # The checkpoint carries the map in force, and resume re-applies it.
+    ckpt = __import__("torch").load(out / "checkpoint.pt", weights_only=False)
+    assert ckpt["adaptive_map"] is not None
+    model = train_mod.build_model("resnet20", num_classes=10)
+    train_mod.recompress(model, ckpt["adaptive_map"], make_cfg(out))
+    assert {n: s.kernel[0] for n, s in lessmem.compressed_layers(model).items()} == changes[-1]["map"]

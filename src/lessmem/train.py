@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import math
 import os
 import random
@@ -34,6 +35,8 @@ from lessmem.loggers import Logger as NullLogger
 from lessmem.loggers import build_logger
 from lessmem.models import build_model
 from lessmem.paths import resolve_path
+
+log = logging.getLogger(__name__)
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 TIME_KEYS = ("epoch_time_s", "throughput_img_s", "train_time_s")  # differ between identical runs
@@ -231,6 +234,59 @@ def measure(stock: nn.Module, model: nn.Module, x: Tensor, device: torch.device,
     return out
 
 
+def first_batch(loader: Any, n: int) -> tuple[Tensor, Tensor]:
+    """The first ``n`` (images, labels) of a loader: a fixed probe batch."""
+    xs, ys, have = [], [], 0
+    for x, y in loader:
+        xs.append(x)
+        ys.append(y)
+        have += len(y)
+        if have >= n:
+            break
+    return torch.cat(xs)[:n], torch.cat(ys)[:n]
+
+
+def recompress(net: nn.Module, mapping: dict[str, Any], cfg: DictConfig) -> None:
+    lessmem.compress(net, mapping, norm_storage=cfg.compression.get("norm_storage", "native"),
+                     exact_companions=bool(cfg.compression.get("exact_companions", True)))
+
+
+def adapt_compression(net: nn.Module, probe: tuple[Tensor, Tensor], acfg: Any, cfg: DictConfig,
+                      epoch: int, x_memory: Tensor, out_dir: Path, logger: Any,
+                      is_main: bool) -> dict[str, int]:
+    """Adaptive schedule: re-measure every conv's weight-gradient fidelity on the fixed probe
+    batch and re-assign kernels greedily within the memory budget (most bytes saved per
+    fidelity lost). Deterministic, so every DDP rank arrives at the same map."""
+    from lessmem.sensitivity import append_history, sensitivity
+
+    device = next(net.parameters()).device
+    was_training = net.training
+    net.train()
+    result = sensitivity(net, [(probe[0].to(device), probe[1].to(device))],
+                         kernels=[int(k) for k in acfg.get("kernels", (1, 2, 4, 8))])
+    budget = acfg.get("budget")
+    mapping = result.make_map(None if budget is None else float(budget), acfg.get("min_cosine"))
+    recompress(net, mapping, cfg)
+    net.train(was_training)
+    change = {
+        "epoch": epoch, "conv_input_bytes": result.saved_bytes(mapping),
+        "conv_input_bytes_uncompressed": result.baseline_bytes(),
+        "mean_grad_cosine": result.mean_cosine(mapping),
+        "saved_bytes": lessmem.measure_memory(net, x_memory.to(device)).total_bytes,
+        "map": {n: k for n, k in mapping.items() if k != 1},
+    }
+    if is_main:
+        append_history(result, out_dir / "sensitivity.csv", step=epoch, epoch=epoch)
+        with (out_dir / "adaptive.jsonl").open("a") as f:
+            f.write(json.dumps(change) + "\n")
+        log.info("adaptive map at epoch %d: %d conv-input bytes (%.3f of exact), mean cosine %.3f",
+                 epoch, change["conv_input_bytes"],
+                 change["conv_input_bytes"] / max(1, change["conv_input_bytes_uncompressed"]),
+                 change["mean_grad_cosine"])
+    logger.log({f"adaptive/{k}": v for k, v in change.items() if k != "map"} | {"epoch": epoch})
+    return mapping
+
+
 def write_coverage(model: nn.Module, x: Tensor, out_dir: Path, title: str) -> lessmem.CoverageReport:
     """Which saved tensors are compressed and which stay full (coverage.csv/json/png)."""
     from lessmem.coverage_cli import save_report
@@ -391,7 +447,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     scheduler = build_scheduler(cfg.scheduler, optimizer, int(cfg.epochs), steps_per_epoch)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
 
-    start_epoch, history = 0, []
+    adaptive = cfg.get("adaptive") or {}
+    adapt_every = int(adaptive.get("every") or 0)
+    if adapt_every and cfg.get("compile"):
+        raise ValueError("adaptive.every > 0 re-assigns kernels during training; it cannot be combined with compile=true")
+    probe = first_batch(val_loader, int(adaptive.get("probe_batch", 32))) if adapt_every else None
+
+    start_epoch, history, adaptive_map = 0, [], None
     if cfg.resume:
         ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
         _check_compatible(ckpt.get("config", {}), cfg)
@@ -405,6 +467,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         scaler.load_state_dict(ckpt["scaler"])
         set_rng_state(ckpt["rng"])
         start_epoch, history = int(ckpt["epoch"]), list(ckpt["history"])
+        if ckpt.get("adaptive_map") is not None:  # the kernels in force when it was saved
+            adaptive_map = ckpt["adaptive_map"]
+            recompress(net, adaptive_map, cfg)
     if ddp.is_main:
         # Rewrite from the checkpoint: drops lines of epochs that finished after the last checkpoint.
         atomic_write_text("".join(json.dumps(h) + "\n" for h in history), out_dir / "metrics.jsonl")
@@ -420,6 +485,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             # resumed run matches an uninterrupted one without replaying RNG streams.
             torch.manual_seed(seed * 100_003 + epoch)
             train_loader.set_epoch(epoch)
+            if adapt_every and epoch % adapt_every == 0:
+                adaptive_map = adapt_compression(net, probe, adaptive, cfg, epoch, x_memory, out_dir,
+                                                 logger, ddp.is_main)
             record = train_epoch(model, train_loader, criterion, optimizer, scheduler, scaler, cfg,
                                  device, epoch, steps_per_epoch, logger, out_dir)
             record.update(evaluate(net, val_loader, criterion, device, cfg.precision))
@@ -435,6 +503,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                     "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                     "epoch": done, "rng": rng_state(), "history": history, "memory": memory,
                     "config": OmegaConf.to_container(cfg, resolve=True),
+                    "adaptive_map": adaptive_map if adapt_every else None,
                 }, ckpt_path)
         metrics = summarize(cfg, history, memory)
         if ddp.is_main:
