@@ -14,6 +14,8 @@ import argparse
 import copy
 import csv
 import gc
+import multiprocessing as mp
+import queue as queue_mod
 from collections.abc import Iterator
 
 import torch
@@ -67,6 +69,32 @@ def measure(name: str, batch: int, size: int, configs: list[str]) -> Iterator[di
         yield dict(model=name, batch=batch, config=cfg, saved_mib=saved / 2**20, ratio=saved / base, note=note)
 
 
+def _measure_to_queue(queue, *args) -> None:
+    for row in measure(*args):
+        queue.put(row)
+    queue.put(None)
+
+
+def measure_in_subprocess(name: str, batch: int, size: int, configs: list[str]) -> Iterator[dict]:
+    """``measure`` in a fresh process per model: the CPU allocator keeps the freed GiBs of one
+    large model (resnet50 at batch 32) and the next one would run out of memory."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_measure_to_queue, args=(queue, name, batch, size, configs))
+    proc.start()
+    while True:
+        try:
+            row = queue.get(timeout=5)
+        except queue_mod.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"measuring {name} died (exit code {proc.exitcode}; out of memory?)") from None
+            continue
+        if row is None:
+            break
+        yield row
+    proc.join()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["resnet18", "resnet50", "mobilenet_v2"])
@@ -88,7 +116,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name in args.models:
         configs = [c for c in args.configs or configs_of(name) if c in configs_of(name)]
-        for row in measure(name, args.batch, args.size, configs):
+        for row in measure_in_subprocess(name, args.batch, args.size, configs):
             print(f"| {row['model']} | {row['config']} | {row['saved_mib']:.1f} | {row['ratio']:.3f} | {row['note']} |",
                   flush=True)
             if writer:

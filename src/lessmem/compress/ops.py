@@ -187,7 +187,7 @@ class MaskedActivationFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (packed,) = ctx.saved_tensors
-        return grad.masked_fill(~unpack_bits(packed, ctx.shape), 0), None, None, None
+        return torch.where(unpack_bits(packed, ctx.shape), grad, 0.0), None, None, None
 
 
 class CompactMaxPool2dFunction(torch.autograd.Function):
@@ -199,8 +199,12 @@ class CompactMaxPool2dFunction(torch.autograd.Function):
         out, idx = F.max_pool2d(x, kernel, stride, padding, dilation, ceil_mode, return_indices=True)
         h, w = x.shape[-2:]
         row0, col0 = _window_origins(out.shape[-2:], stride, padding, x.device)
-        r, c = idx // w, idx % w
-        local = ((r - row0) // dilation[0]) * kernel[1] + (c - col0) // dilation[1]
+        flat = idx.to(torch.int32)  # int32 arithmetic: half the memory traffic of int64
+        r = flat // w
+        col_off, row_off = flat.sub_(r * w).sub_(col0), r.sub_(row0)  # argmax offset in its window
+        if dilation != (1, 1):
+            col_off, row_off = col_off // dilation[1], row_off // dilation[0]
+        local = row_off.mul_(kernel[1]).add_(col_off)
         ctx.save_for_backward(local.to(torch.uint8))
         ctx.geometry = (kernel, stride, padding, dilation, (h, w), tuple(x.shape))
         return out
@@ -210,10 +214,11 @@ class CompactMaxPool2dFunction(torch.autograd.Function):
         (local,) = ctx.saved_tensors
         kernel, stride, padding, dilation, (h, w), shape = ctx.geometry
         row0, col0 = _window_origins(grad.shape[-2:], stride, padding, grad.device)
-        local = local.long()
-        r = row0 + (local // kernel[1]) * dilation[0]
-        c = col0 + (local % kernel[1]) * dilation[1]
-        idx = (r * w + c).flatten(-2)
+        # plane index = window origin + offset of the argmax inside the window (a small table)
+        i = torch.arange(kernel[0], device=grad.device)[:, None] * dilation[0]
+        j = torch.arange(kernel[1], device=grad.device)[None, :] * dilation[1]
+        offsets = (i * w + j).flatten()
+        idx = (offsets[local.long()] + (row0 * w + col0)).flatten(-2)
         gx = grad.new_zeros(*shape[:-2], h * w)
         gx.scatter_add_(-1, idx, grad.flatten(-2))
         return gx.view(shape), None, None, None, None, None
