@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Paper (Barley & Fröning, arXiv 2409.11902), ResNet18: total peak GPU memory and top-1.
 PAPER = {"2x2": {"peak_reduction": 0.29}, "4x4": {"peak_reduction": 0.36}, "top1_gap_2x2": 0.013}
 CIFAR_DIR = "multirun/cifar10_resnet20_4ep"
-CIFAR_CMD = ("for c in none pool2 pool4; do python -m lessmem.train compression=$c epochs=4 batch_size=128 "
+CIFAR_CMD = ("for c in none pool2 pool4; do OMP_NUM_THREADS=1 python -m lessmem.train compression=$c epochs=4 batch_size=128 "
              "device=cpu logger=csv hydra.run.dir=multirun/cifar10_resnet20_4ep/$c & done; wait")
 
 
