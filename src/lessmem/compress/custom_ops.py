@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .ops import expand_blocks, expand_tokens
+from .ops import conv_grads, expand_blocks, expand_tokens, linear_grads
 
 
 @torch.library.custom_op("lessmem::conv2d_keep_pooled", mutates_args=())
@@ -37,11 +37,8 @@ def _conv_backward(ctx, grad_out):
     weight, pooled = ctx.saved_tensors
     stride, padding, dilation, groups, kernel, shape, dtype, has_bias = ctx.conf
     x_hat = expand_blocks(pooled.to(dtype), tuple(kernel), tuple(shape[2:]))
-    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], has_bias and ctx.needs_input_grad[3]]
-    gx, gw, gb = torch.ops.aten.convolution_backward(
-        grad_out, x_hat, weight, [weight.shape[0]] if has_bias else None,
-        stride, padding, dilation, False, [0, 0], groups, mask,
-    )
+    needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[2], has_bias and ctx.needs_input_grad[3])
+    gx, gw, gb = conv_grads(grad_out, x_hat, weight, has_bias, stride, padding, dilation, groups, needs)
     return gx, None, gw, gb, None, None, None, None, None
 
 
@@ -68,14 +65,9 @@ def _linear_setup(ctx, inputs, output):
 def _linear_backward(ctx, grad_out):
     weight, pooled = ctx.saved_tensors
     k, shape, dtype, has_bias = ctx.conf
-    gx = grad_out @ weight if ctx.needs_input_grad[0] else None
-    flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
-    gw = gb = None
-    if ctx.needs_input_grad[2]:
-        x_hat = expand_tokens(pooled.to(dtype), k, shape[-2])
-        gw = flat_grad.t() @ x_hat.reshape(-1, shape[-1])
-    if has_bias and ctx.needs_input_grad[3]:
-        gb = flat_grad.sum(0)
+    x_hat = expand_tokens(pooled.to(dtype), k, shape[-2]) if ctx.needs_input_grad[2] else None
+    needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[2], has_bias and ctx.needs_input_grad[3])
+    gx, gw, gb = linear_grads(grad_out, x_hat, weight, needs)
     return gx, None, gw, gb, None
 
 

@@ -95,21 +95,28 @@ class PooledConv2dFunction(torch.autograd.Function):
             x_hat = expand_blocks(unpack_tensor(packed, ctx.storage, dtype), ctx.kernel, shape[2:])
         else:  # no weight gradient wanted: only the shape of the input matters
             x_hat = grad_out.new_empty(()).expand(shape)
-        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
-        gx, gw, gb = torch.ops.aten.convolution_backward(
-            grad_out,
-            x_hat,
-            weight,
-            [weight.shape[0]] if ctx.has_bias else None,
-            stride,
-            padding,
-            dilation,
-            False,
-            [0, 0],
-            groups,
-            mask,
-        )
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
+        gx, gw, gb = conv_grads(grad_out, x_hat, weight, ctx.has_bias, stride, padding, dilation, groups, needs)
         return gx, gw, gb, None, None, None, None, None, None
+
+
+def conv_grads(grad_out, x_hat, weight, has_bias, stride, padding, dilation, groups, needs):
+    """(input, weight, bias) gradients of conv2d, the weight gradient taken on ``x_hat``. The
+    input gradient reads only the weight, so it is exact whatever ``x_hat`` is."""
+    return torch.ops.aten.convolution_backward(
+        grad_out, x_hat, weight, [weight.shape[0]] if has_bias else None,
+        stride, padding, dilation, False, [0, 0], groups, list(needs),
+    )
+
+
+def linear_grads(grad_out, x_hat, weight, needs):
+    """(input, weight, bias) gradients of linear on (..., tokens, features), the weight gradient
+    taken on ``x_hat`` (None when not needed); ``needs`` says which to compute."""
+    flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
+    gx = grad_out @ weight if needs[0] else None
+    gw = flat_grad.t() @ x_hat.reshape(-1, x_hat.shape[-1]) if needs[1] else None
+    gb = flat_grad.sum(0) if needs[2] else None
+    return gx, gw, gb
 
 
 class PooledLinearFunction(torch.autograd.Function):
@@ -128,14 +135,9 @@ class PooledLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         weight, *packed = ctx.saved_tensors
         shape, dtype = ctx.x_meta
-        gx = grad_out @ weight if ctx.needs_input_grad[0] else None
-        gw = gb = None
-        if packed:
-            x_hat = expand_tokens(unpack_tensor(packed, ctx.storage, dtype), ctx.k, shape[-2])
-            gw = grad_out.reshape(-1, grad_out.shape[-1]).t() @ x_hat.reshape(-1, shape[-1])
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
-        return gx, gw, gb, None, None
+        x_hat = expand_tokens(unpack_tensor(packed, ctx.storage, dtype), ctx.k, shape[-2]) if packed else None
+        needs = (ctx.needs_input_grad[0], bool(packed), ctx.has_bias and ctx.needs_input_grad[2])
+        return (*linear_grads(grad_out, x_hat, weight, needs), None, None)
 
 
 # ---------------------------------------------------------------------------------------------
