@@ -234,6 +234,7 @@ def test_compile_true_trains(tmp_path: Path) -> None:
 @needs_cifar
 def test_adaptive_schedule_reassigns_kernels_within_budget(tmp_path: Path) -> None:
     import lessmem
+    from lessmem.models import build_model
 
     out = tmp_path / "adaptive"
     metrics = run(make_cfg(out, "adaptive.every=1", "adaptive.budget=0.3", "adaptive.probe_batch=16",
@@ -249,6 +250,6 @@ def test_adaptive_schedule_reassigns_kernels_within_budget(tmp_path: Path) -> No
     # The checkpoint carries the map in force, and resume re-applies it.
     ckpt = __import__("torch").load(out / "checkpoint.pt", weights_only=False)
     assert ckpt["adaptive_map"] is not None
-    model = train_mod.build_model("resnet20", num_classes=10)
-    train_mod.recompress(model, ckpt["adaptive_map"], make_cfg(out))
+    model = build_model("resnet20", num_classes=10)
+    train_mod.compress_from_config(model, ckpt["adaptive_map"], make_cfg(out))
     assert {n: s.kernel[0] for n, s in lessmem.compressed_layers(model).items()} == changes[-1]["map"]

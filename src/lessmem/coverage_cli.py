@@ -28,14 +28,12 @@ _DEFAULTS = {"batch": None, "out": None, "full_only": False}
 def coverage_for_config(cfg, batch: int | None = None) -> CoverageReport:
     """Coverage of the configured model and compression map on a random input batch (saved
     bytes depend on shapes only, not on pixel values)."""
-    from lessmem.sensitivity import build_model_from_cfg
-    from lessmem.train import compression_map
+    from lessmem.models import build_model_from_cfg
+    from lessmem.train import compress_from_config, compression_map
 
     torch.manual_seed(int(cfg.get("seed", 0)))
     model = build_model_from_cfg(cfg).train()
-    lessmem.compress(model, compression_map(cfg.compression),
-                     norm_storage=cfg.compression.get("norm_storage", "native"),
-                     exact_companions=bool(cfg.compression.get("exact_companions", True)))
+    compress_from_config(model, compression_map(cfg.compression), cfg)
     size = int(cfg.dataset.image_size)
     x = torch.randn(int(batch or cfg.memory_batch), 3, size, size)
     return lessmem.coverage(model, x)

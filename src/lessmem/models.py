@@ -116,3 +116,12 @@ def build_model(name: str, num_classes: int, **kwargs: Any) -> nn.Module:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; available: {', '.join(sorted(MODELS))}")
     return MODELS[name](num_classes=num_classes, **kwargs)
+
+
+def build_model_from_cfg(cfg: Any) -> nn.Module:
+    """The model of a composed train config (``cfg.model``: name, num_classes, kwargs)."""
+    from omegaconf import OmegaConf
+
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    name, num_classes = model_cfg.pop("name"), model_cfg.pop("num_classes")
+    return build_model(name, int(num_classes), **model_cfg)

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from lessmem._callable import make_module_callable
 from lessmem.compress.ops import expand_blocks, pool_blocks
+from lessmem.models import build_model_from_cfg
 
 log = logging.getLogger(__name__)
 
@@ -567,16 +568,6 @@ def _split_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
         else:
             hydra_args.append(arg)
     return hydra_args, ours
-
-
-def build_model_from_cfg(cfg: Any) -> nn.Module:
-    from omegaconf import OmegaConf
-
-    from lessmem.models import build_model
-
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    name, num_classes = model_cfg.pop("name"), model_cfg.pop("num_classes")
-    return build_model(name, int(num_classes), **model_cfg)
 
 
 def fixed_batches(cfg: Any, n: int, batch_size: int, split: str = "train", seed: int = 0) -> list[tuple[Tensor, Tensor]]:

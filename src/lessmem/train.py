@@ -33,7 +33,7 @@ import lessmem
 from lessmem.data import build_loaders
 from lessmem.loggers import Logger as NullLogger
 from lessmem.loggers import build_logger
-from lessmem.models import build_model
+from lessmem.models import build_model_from_cfg
 from lessmem.paths import resolve_path
 
 log = logging.getLogger(__name__)
@@ -246,7 +246,8 @@ def first_batch(loader: Any, n: int) -> tuple[Tensor, Tensor]:
     return torch.cat(xs)[:n], torch.cat(ys)[:n]
 
 
-def recompress(net: nn.Module, mapping: dict[str, Any], cfg: DictConfig) -> None:
+def compress_from_config(net: nn.Module, mapping: dict[str, Any], cfg: DictConfig) -> None:
+    """Apply ``mapping`` with the config's norm storage and exact-companion settings."""
     lessmem.compress(net, mapping, norm_storage=cfg.compression.get("norm_storage", "native"),
                      exact_companions=bool(cfg.compression.get("exact_companions", True)))
 
@@ -266,7 +267,7 @@ def adapt_compression(net: nn.Module, probe: tuple[Tensor, Tensor], acfg: Any, c
                          kernels=[int(k) for k in acfg.get("kernels", (1, 2, 4, 8))])
     budget = acfg.get("budget")
     mapping = result.make_map(None if budget is None else float(budget), acfg.get("min_cosine"))
-    recompress(net, mapping, cfg)
+    compress_from_config(net, mapping, cfg)
     net.train(was_training)
     change = {
         "epoch": epoch, "conv_input_bytes": result.saved_bytes(mapping),
@@ -407,8 +408,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     seed = int(cfg.seed)
     seed_everything(seed)
 
-    model_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
-    model = build_model(cfg.model.name, **model_kwargs)
+    model = build_model_from_cfg(cfg)
     train_loader, val_loader = build_loaders(
         cfg.dataset, int(cfg.batch_size), int(cfg.eval_batch_size), seed, cfg.get("max_steps_per_epoch"),
         rank=ddp.rank, world_size=ddp.world_size,
@@ -416,8 +416,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     stock = copy.deepcopy(model)
     mapping = compression_map(cfg.compression)
     try:
-        lessmem.compress(model, mapping, norm_storage=cfg.compression.get("norm_storage", "native"),
-                         exact_companions=bool(cfg.compression.get("exact_companions", True)))
+        compress_from_config(model, mapping, cfg)
     except (ValueError, TypeError) as e:
         raise ValueError(
             f"compression {cfg.compression.get('name', '?')!r} does not fit model {cfg.model.name!r}: {e}"
@@ -469,7 +468,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         start_epoch, history = int(ckpt["epoch"]), list(ckpt["history"])
         if ckpt.get("adaptive_map") is not None:  # the kernels in force when it was saved
             adaptive_map = ckpt["adaptive_map"]
-            recompress(net, adaptive_map, cfg)
+            compress_from_config(net, adaptive_map, cfg)
     if ddp.is_main:
         # Rewrite from the checkpoint: drops lines of epochs that finished after the last checkpoint.
         atomic_write_text("".join(json.dumps(h) + "\n" for h in history), out_dir / "metrics.jsonl")
