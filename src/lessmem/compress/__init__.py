@@ -95,26 +95,27 @@ def compress(
         for module in model.modules():
             if type(module) in EXACT_COMPANIONS:
                 _swap(module, EXACT_COMPANIONS[type(module)])
-    for name, storage in _norm_storages(model, norm_storage).items():
-        module = model.get_submodule(name)
-        _swap(module, StoredBatchNorm2d)
-        module.lessmem_storage = storage
-    activations = tuple(STORED_ACTIVATIONS)
-    for name, storage in _norm_storages(model, act_storage, activations, "act_storage").items():
-        module = model.get_submodule(name)
-        _swap(module, STORED_ACTIVATIONS[type(module)])
-        module.lessmem_storage = storage
+    for option, rule, stored_class in (
+        ("norm_storage", norm_storage, {nn.BatchNorm2d: StoredBatchNorm2d}),
+        ("act_storage", act_storage, STORED_ACTIVATIONS),
+    ):
+        for name, storage in _storage_choices(model, rule, tuple(stored_class), option).items():
+            module = model.get_submodule(name)
+            _swap(module, stored_class[type(module)])
+            module.lessmem_storage = storage
     return model
 
 
-def _norm_storages(
+def _storage_choices(
     model: nn.Module,
-    norm_storage: str | Mapping[str, str],
-    kinds: tuple[type[nn.Module], ...] = (nn.BatchNorm2d,),
-    option: str = "norm_storage",
+    storage_rule: str | Mapping[str, str],
+    kinds: tuple[type[nn.Module], ...],
+    option: str,
 ) -> dict[str, str]:
+    """Name -> lossy storage of each layer of ``kinds`` that ``storage_rule`` (one storage, or
+    ``{pattern: storage}``, first match wins) sends away from ``native``."""
     norms = [n for n, m in model.named_modules() if type(m) in kinds]
-    rules = {"*": norm_storage} if isinstance(norm_storage, str) else dict(norm_storage)
+    rules = {"*": storage_rule} if isinstance(storage_rule, str) else dict(storage_rule)
     chosen: dict[str, str] = {}
     for pattern, storage in rules.items():
         check_storage(str(storage))
