@@ -207,13 +207,7 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 
 
 def first_images(loader: Any, n: int) -> Tensor:
-    chunks, have = [], 0
-    for x, _ in loader:
-        chunks.append(x)
-        have += len(x)
-        if have >= n:
-            break
-    return torch.cat(chunks)[:n]
+    return first_batch(loader, n)[0]
 
 
 def measure(stock: nn.Module, model: nn.Module, x: Tensor, device: torch.device, precision: str) -> dict[str, Any]:
