@@ -68,3 +68,44 @@ def test_budget_mode_and_accuracy_objective(tmp_path) -> None:
     assert 0.0 <= summary["seeds"]["uniform_1"]["score"] <= 1.0
     assert summary["best_feasible"] is None  # uniform_1 keeps all bytes: over the 0.3 budget
     assert (tmp_path / "s" / "trials" / "0000" / "train" / "metrics.json").is_file()
+
+
+class _PruneFromTrial1(optuna.pruners.BasePruner):
+    """Prunes every trial but the first at its first report: deterministic, unlike the median."""
+
+    def prune(self, study, trial) -> bool:
+        return trial.number >= 1
+
+
+def test_accuracy_search_prunes_per_epoch(tmp_path, monkeypatch) -> None:
+    import lessmem.search as search
+
+    monkeypatch.setattr(search, "make_pruner", lambda pcfg: _PruneFromTrial1())
+    s = sweep(tmp_path, n_trials=2, mode="budget", objective="accuracy", budget=0.3,
+              base_overrides=None, pruner={"name": "median"})
+    s.base_overrides = [*BASE, "epochs=2", "batch_size=32", "eval_batch_size=32", "memory_batch=4"]
+    summary = run_search(s)
+    assert summary["complete_trials"] == 1 and summary["pruned_trials"] == 1
+    study = open_study(s, tmp_path / "s" / "study.journal")
+    pruned = [t for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
+    assert len(pruned) == 1 and list(pruned[0].intermediate_values) == [1]
+    # The pruned run stopped after its first epoch, with that epoch checkpointed.
+    lines = (tmp_path / "s" / "trials" / "0001" / "train" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 1
+    full = (tmp_path / "s" / "trials" / "0000" / "train" / "metrics.jsonl").read_text().splitlines()
+    assert len(full) == 2
+    rows = (tmp_path / "s" / "trials.csv").read_text()
+    assert "pruned" in rows and "Pruned trials" in (tmp_path / "s" / "pareto.md").read_text()
+
+
+def test_pruner_choices() -> None:
+    from lessmem.search import make_pruner
+
+    base = {"n_startup_trials": 2, "n_warmup_steps": 1, "min_resource": 1, "reduction_factor": 3}
+    assert isinstance(make_pruner({"name": "median", **base}), optuna.pruners.MedianPruner)
+    assert isinstance(make_pruner({"name": "hyperband", **base}), optuna.pruners.HyperbandPruner)
+    assert isinstance(make_pruner({"name": "none", **base}), optuna.pruners.NopPruner)
+    with pytest.raises(ValueError, match="pruner.name"):
+        load_sweep(None, ["pruner.name=asha"])
+    with pytest.raises(ValueError, match="multi-objective"):
+        load_sweep(None, ["pruner.name=median", "objective=accuracy", "mode=pareto"])

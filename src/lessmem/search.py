@@ -73,6 +73,10 @@ DEFAULTS: dict[str, Any] = {
     "base_overrides": ["logger=disabled"],
     "score_key": "best_top1",       # accuracy: which metrics.json entry is the score
     "sensitivity": {"batches": 4, "batch_size": 32, "split": "train", "checkpoint": None},
+    # Accuracy searches in budget mode: stop poor trials early from their per-epoch val_top1.
+    # name: none | median | hyperband (Optuna prunes single-objective studies only).
+    "pruner": {"name": "none", "n_startup_trials": 4, "n_warmup_steps": 1,
+               "min_resource": 1, "reduction_factor": 3},
     # Shared studies (--worker): RDB heartbeat / stale grace and retries of killed trials;
     # poll_s: how often a worker waits for the last trials other workers are running.
     "heartbeat_s": 60,
@@ -98,8 +102,31 @@ def load_sweep(path: str | Path | None, overrides: Sequence[str] = ()) -> DictCo
         raise ValueError(f"objective must be 'fidelity' or 'accuracy', got {cfg.objective!r}")
     if cfg.mode not in ("pareto", "budget"):
         raise ValueError(f"mode must be 'pareto' or 'budget', got {cfg.mode!r}")
+    pruner = str(cfg.pruner.name)
+    if pruner not in PRUNERS:
+        raise ValueError(f"pruner.name must be one of {list(PRUNERS)}, got {pruner!r}")
+    if pruner != "none" and (cfg.mode != "budget" or cfg.objective != "accuracy"):
+        raise ValueError("pruning needs objective=accuracy and mode=budget (Optuna cannot prune "
+                         "multi-objective studies, and fidelity trials have no epochs)")
     OmegaConf.resolve(cfg)
     return cfg
+
+
+PRUNERS = ("none", "median", "hyperband")
+
+
+def make_pruner(pcfg: Mapping[str, Any]) -> optuna.pruners.BasePruner:
+    """The sweep's pruner; one step is one training epoch (Hyperband's maximum: the epochs of
+    the first trial that completes)."""
+    name = str(pcfg["name"])
+    if name == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=int(pcfg["n_startup_trials"]),
+                                           n_warmup_steps=int(pcfg["n_warmup_steps"]))
+    if name == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=int(pcfg["min_resource"]),
+                                              max_resource="auto",
+                                              reduction_factor=int(pcfg["reduction_factor"]))
+    return optuna.pruners.NopPruner()
 
 
 def trial_config(base: DictConfig, kmap: Mapping[str, int], name: str, out_dir: Path) -> DictConfig:
@@ -214,11 +241,13 @@ def _open_study(sweep: DictConfig, storage_path: str | Path, worker: bool = Fals
         # Constraint values come from trial.set_constraint (Optuna 5; constraints_func is deprecated).
         sampler = optuna.samplers.TPESampler(seed=seed)
         directions = ["maximize"]
+    pruner = make_pruner(sweep.pruner)
     try:
         return optuna.create_study(study_name=sweep.study_name, storage=storage, sampler=sampler,
-                                   directions=directions), True
+                                   pruner=pruner, directions=directions), True
     except optuna.exceptions.DuplicatedStudyError:
-        return optuna.load_study(study_name=sweep.study_name, storage=storage, sampler=sampler), False
+        return optuna.load_study(study_name=sweep.study_name, storage=storage, sampler=sampler,
+                                 pruner=pruner), False
 
 
 def _n_existing(storage: Any, name: str) -> int:
@@ -367,13 +396,22 @@ class Objective:
         return (float(memory), score) if self.sweep.mode == "pareto" else score
 
     def _train(self, cfg: DictConfig, trial: optuna.Trial, trial_dir: Path) -> float:
-        # train.run has no per-epoch callback, so the MedianPruner has nothing to act on: trials
-        # run to the end (short runs: set epochs / dataset.train_subset in base_overrides).
         from lessmem.train import run
 
         with open_dict(cfg):
             cfg.out_dir = str(trial_dir / "train")
-        metrics = run(cfg)
+        best = [float("-inf")]
+
+        def report(epoch: int, record: dict[str, Any]) -> None:
+            # Intermediate value: the score so far (best_* keys: best epoch so far).
+            value = float(record["val_top1"] if "top1" in self.sweep.score_key else record["val_top5"])
+            best[0] = max(best[0], value)
+            trial.report(best[0] if self.sweep.score_key.startswith("best") else value, epoch)
+            if trial.should_prune():
+                trial.set_user_attr("pruned_at_epoch", epoch)
+                raise optuna.TrialPruned(f"pruned after epoch {epoch} (val_top1 {value:.4f})")
+
+        metrics = run(cfg, on_epoch_end=report)
         trial.set_user_attr("measured_saved_bytes", metrics.get("saved_bytes"))
         trial.set_user_attr("stock_saved_bytes", metrics.get("stock_saved_bytes"))
         return float(metrics[self.sweep.score_key])
@@ -424,14 +462,31 @@ class _file_lock:
 
 
 def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
+    """Complete trials (with their score), then pruned ones (``pruned``: their last reported value,
+    ``pruned_at_epoch``); pruned rows never enter the Pareto front."""
     rows = []
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
         a = t.user_attrs
         rows.append({"trial": t.number, "seed": a.get("seed", ""), "conv_input_bytes": a["conv_input_bytes"],
+                     "state": "complete", "pruned_at_epoch": "",
                      "score": a["score"], "mean_cosine": a["mean_cosine"],
                      "feasible": all(c <= 0 for c in a.get("constraint", [0.0])),
                      "params": json.dumps({k.removeprefix("k:"): v for k, v in t.params.items()}),
                      "config": a.get("config", ""), "map": a["map"], "rerun": a.get("rerun", "")})
+    return rows
+
+
+def pruned_rows(study: optuna.Study) -> list[dict[str, Any]]:
+    rows = []
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.PRUNED,)):
+        a, steps = t.user_attrs, t.intermediate_values
+        last = max(steps) if steps else None
+        rows.append({"trial": t.number, "seed": a.get("seed", ""), "conv_input_bytes": a.get("conv_input_bytes", ""),
+                     "state": "pruned", "pruned_at_epoch": last if last is not None else "",
+                     "score": steps[last] if last is not None else "", "mean_cosine": a.get("mean_cosine", ""),
+                     "feasible": all(c <= 0 for c in a.get("constraint", [0.0])),
+                     "params": json.dumps({k.removeprefix("k:"): v for k, v in t.params.items()}),
+                     "config": a.get("config", ""), "map": a.get("map", {}), "rerun": a.get("rerun", "")})
     return rows
 
 
@@ -454,8 +509,11 @@ def write_report(study: optuna.Study, result: SensitivityResult, sweep: DictConf
         raise RuntimeError(f"study {sweep.study_name} has no complete trial")
     front = pareto_front(rows)
     base_bytes = result.baseline_bytes()
-    fields = ["trial", "seed", "conv_input_bytes", "score", "mean_cosine", "feasible", "params", "config"]
-    for name, data in (("trials.csv", rows), ("pareto.csv", front)):
+    pruned = pruned_rows(study)
+    fields = ["trial", "seed", "state", "pruned_at_epoch", "conv_input_bytes", "score", "mean_cosine",
+              "feasible", "params", "config"]
+    all_rows = sorted(rows + pruned, key=lambda r: r["trial"])
+    for name, data in (("trials.csv", all_rows), ("pareto.csv", front)):
         with (out_dir / name).open("w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
             writer.writeheader()
@@ -471,7 +529,8 @@ def write_report(study: optuna.Study, result: SensitivityResult, sweep: DictConf
     beats = _dominating(front, seeds.get("uniform_2"))
     summary = {
         "study": sweep.study_name, "objective": sweep.objective, "mode": sweep.mode,
-        "complete_trials": len(rows), "baseline_conv_input_bytes": base_bytes,
+        "complete_trials": len(rows), "pruned_trials": len(pruned),
+        "pruner": str(sweep.pruner.name), "baseline_conv_input_bytes": base_bytes,
         "seeds": {k: {"conv_input_bytes": v["conv_input_bytes"], "score": v["score"]} for k, v in seeds.items()},
         "pareto": [{"trial": r["trial"], "conv_input_bytes": r["conv_input_bytes"], "score": r["score"],
                     "params": json.loads(r["params"])} for r in front],
@@ -481,8 +540,8 @@ def write_report(study: optuna.Study, result: SensitivityResult, sweep: DictConf
         feasible = [r for r in rows if r["feasible"]]
         summary["best_feasible"] = max(feasible, key=lambda r: r["score"])["trial"] if feasible else None
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out_dir / "pareto.md").write_text(_markdown(front, seeds, beats, base_bytes, sweep))
-    plot_pareto(rows, front, out_dir / "pareto.png", sweep)
+    (out_dir / "pareto.md").write_text(_markdown(front, seeds, beats, base_bytes, sweep, pruned))
+    plot_pareto(rows, front, out_dir / "pareto.png", sweep, pruned)
     return summary
 
 
@@ -493,7 +552,7 @@ def _dominating(front: list[dict[str, Any]], ref: dict[str, Any] | None) -> list
     return [r for r in front if r["conv_input_bytes"] < ref["conv_input_bytes"] and r["score"] >= ref["score"]]
 
 
-def _markdown(front, seeds, beats, base_bytes: int, sweep: DictConfig) -> str:
+def _markdown(front, seeds, beats, base_bytes: int, sweep: DictConfig, pruned=()) -> str:
     label = "mean grad cosine" if sweep.objective == "fidelity" else sweep.score_key
     lines = [f"# Pareto front: {sweep.study_name}", "",
              f"objective: {sweep.objective} ({label}), memory: conv-input bytes kept for backward "
@@ -508,10 +567,14 @@ def _markdown(front, seeds, beats, base_bytes: int, sweep: DictConfig) -> str:
                      f"{label} {r['score']:.4f}")
     lines += ["", f"Pareto maps with fewer bytes than uniform 2x2 at equal or better {label}: "
               + (", ".join(f"trial {r['trial']}" for r in beats) or "none"), ""]
+    if pruned:
+        lines += [f"Pruned trials ({sweep.pruner.name} pruner): " + ", ".join(
+            f"trial {r['trial']} after epoch {r['pruned_at_epoch']} ({label} {r['score']:.4f})"
+            if r["score"] != "" else f"trial {r['trial']}" for r in pruned), ""]
     return "\n".join(lines)
 
 
-def plot_pareto(rows, front, path: Path, sweep: DictConfig) -> Path:
+def plot_pareto(rows, front, path: Path, sweep: DictConfig, pruned=()) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -523,6 +586,10 @@ def plot_pareto(rows, front, path: Path, sweep: DictConfig) -> Path:
                color="0.6", label="trials")
     ax.plot([r["conv_input_bytes"] / mib for r in front], [r["score"] for r in front], "o-",
             color="tab:red", ms=5, label="Pareto front")
+    shown = [r for r in pruned if r["score"] != "" and r["conv_input_bytes"] != ""]
+    if shown:
+        ax.scatter([r["conv_input_bytes"] / mib for r in shown], [r["score"] for r in shown], s=18,
+                   marker="x", color="tab:orange", label="pruned (last reported)")
     for r in rows:
         if r["seed"]:
             ax.scatter(r["conv_input_bytes"] / mib, r["score"], marker="*", s=120, color="tab:blue", zorder=3)
@@ -531,7 +598,8 @@ def plot_pareto(rows, front, path: Path, sweep: DictConfig) -> Path:
     ax.set_xscale("log")
     ax.set_xlabel("conv-input bytes kept for backward (MiB, log)")
     ax.set_ylabel("mean weight-gradient cosine" if sweep.objective == "fidelity" else sweep.score_key)
-    ax.set_title(f"{sweep.study_name}: {len(rows)} trials", fontsize=10)
+    extra = f" + {len(pruned)} pruned" if pruned else ""
+    ax.set_title(f"{sweep.study_name}: {len(rows)} trials{extra}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

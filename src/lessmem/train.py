@@ -15,6 +15,7 @@ import os
 import random
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -377,8 +378,15 @@ def default_out_dir() -> Path:
     return Path("outputs") / datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
-    """Train ``cfg.model`` on ``cfg.dataset`` with ``cfg.compression``; returns the final metrics."""
+EpochCallback = Callable[[int, dict[str, Any]], None]
+
+
+def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str, Any]:
+    """Train ``cfg.model`` on ``cfg.dataset`` with ``cfg.compression``; returns the final metrics.
+
+    ``on_epoch_end(epoch, record)`` is called on the main process after each epoch's evaluation
+    and checkpoint (epoch counts from 1; ``record`` has ``val_top1`` etc.). An exception it raises
+    (e.g. ``optuna.TrialPruned``) ends the run after the checkpoint, so nothing is lost."""
     cfg = copy.deepcopy(cfg)
     device = resolve_device(str(cfg.device))
     # Under torchrun: batch_size is per rank (global batch = world_size x batch_size), each rank
@@ -498,6 +506,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                     "config": OmegaConf.to_container(cfg, resolve=True),
                     "adaptive_map": adaptive_map if adapt_every else None,
                 }, ckpt_path)
+            if on_epoch_end is not None and ddp.is_main:
+                on_epoch_end(done, record)
         metrics = summarize(cfg, history, memory)
         if ddp.is_main:
             atomic_write_text(json.dumps(metrics, indent=2), out_dir / "metrics.json")
