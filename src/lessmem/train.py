@@ -424,6 +424,8 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
             f"compression {cfg.compression.get('name', '?')!r} does not fit model {cfg.model.name!r}: {e}"
         ) from e
     model.to(device)
+    memory_format = torch.channels_last if cfg.get("channels_last") else torch.contiguous_format
+    model.to(memory_format=memory_format)
     x_memory = first_images(val_loader, int(cfg.memory_batch))
     memory = measure(stock, model, x_memory, device, cfg.precision)
     del stock
@@ -538,6 +540,8 @@ def train_epoch(model: nn.Module, loader: Any, criterion: nn.Module, optimizer: 
     for step, (x, y) in enumerate(bar):
         global_step = epoch * steps_per_epoch + step
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if cfg.get("channels_last"):
+            x = x.contiguous(memory_format=torch.channels_last)
         with autocast(device, cfg.precision):
             logits = model(x)
             loss = criterion(logits.float(), y)
