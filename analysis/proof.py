@@ -1,0 +1,188 @@
+"""Does a sensitivity-chosen kernel map beat uniform 2x2 in accuracy at the same saved bytes?
+
+Runs (resumable: finished runs are skipped, interrupted ones resume from their checkpoint):
+  stock, uniform 2x2, the greedy sensitivity map at the conv-input bytes of 2x2 (measured on the
+  stock seed-0 model after one epoch), the adaptive schedule at that budget, and the best map of
+  an accuracy-objective Optuna search (per-stage kernels, median pruning), for each seed;
+  plus sensitivity tables of the stock seed-0 model at init and after every epoch.
+
+    python analysis/proof.py --out docs/results/proof --epochs 3 --seeds 0 1 2 --workers 2
+    python analysis/proof.py --out docs/results/proof --summarize   # table + plots only
+
+Each run is its own process (``OMP_NUM_THREADS=--threads``); ``--workers`` run at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+@dataclass
+class Job:
+    name: str
+    argv: list[str]
+    done: Path  # the file whose existence means the job is complete
+    deps: list[str] = field(default_factory=list)
+    proc: subprocess.Popen | None = None
+    log: Path | None = None
+
+
+def train_job(out: Path, name: str, seed: int, overrides: list[str], common: list[str],
+              deps: list[str] | None = None, keep: bool = False) -> Job:
+    run_dir = out / "runs" / name / f"seed{seed}"
+    argv = [sys.executable, str(HERE / "proof.py"), "_train", str(run_dir), "1" if keep else "0",
+            *common, *overrides, f"seed={seed}"]
+    return Job(f"{name}/seed{seed}", argv, run_dir / "metrics.json", deps or [])
+
+
+def _train(run_dir: str, keep: str, overrides: list[str]) -> None:
+    """One training run; ``keep``: copy the checkpoint after every epoch (for sensitivity)."""
+    from lessmem.sensitivity import compose_config
+    from lessmem.train import run
+
+    run_dir_p = Path(run_dir)
+    resume = (run_dir_p / "checkpoint.pt").exists()
+    cfg = compose_config([*overrides, f"out_dir={run_dir}", f"resume={str(resume).lower()}"])
+
+    def copy_checkpoint(epoch: int, record: dict) -> None:
+        if keep == "1":
+            shutil.copyfile(run_dir_p / "checkpoint.pt", run_dir_p / f"checkpoint_epoch{epoch}.pt")
+
+    run(cfg, on_epoch_end=copy_checkpoint)
+
+
+def sensitivity_job(out: Path, epoch: int, common: list[str], deps: list[str]) -> Job:
+    ckpt = out / "runs" / "stock" / "seed0" / f"checkpoint_epoch{epoch}.pt"
+    dest = out / "sensitivity" / f"epoch{epoch}"
+    argv = [sys.executable, "-m", "lessmem.sensitivity", *common, "seed=0",
+            "sensitivity.batches=4", "sensitivity.batch_size=128", "sensitivity.budget=0.25",
+            "sensitivity.kernels=[1,2,4,8]", f"sensitivity.out={dest}",
+            f"sensitivity.map_out={dest / 'greedy_map.yaml'}"]
+    if epoch > 0:
+        argv.append(f"sensitivity.checkpoint={ckpt}")
+    return Job(f"sensitivity/epoch{epoch}", argv, dest / "greedy_map.yaml", deps)
+
+
+def search_job(out: Path, common: list[str], n_trials: int, deps: list[str]) -> Job:
+    ckpt = out / "runs" / "stock" / "seed0" / "checkpoint_epoch1.pt"
+    base = [*common, "dataset.train_subset=10000", "dataset.val_subset=2000", "epochs=2", "seed=0"]
+    argv = [sys.executable, "-m", "lessmem.search", "--config", str(REPO / "sweeps" / "proof_resnet20.yaml"),
+            f"out_dir={out / 'search'}", f"n_trials={n_trials}",
+            f"sensitivity.checkpoint={ckpt}", f"base_overrides={json.dumps(base)}"]
+    return Job("search", argv, out / "search" / "summary.json", deps)
+
+
+def best_map_file(out: Path) -> Path:
+    summary = json.loads((out / "search" / "summary.json").read_text())
+    trial = summary.get("best_feasible")
+    if trial is None:
+        raise RuntimeError("the search found no map within the budget")
+    return out / "search" / "trials" / f"{trial:04d}" / "compression.yaml"
+
+
+def jobs_for(args: argparse.Namespace) -> list[Job]:
+    out = args.out
+    common = ["model=resnet20", "dataset=cifar10", "logger=csv", "device=cpu", f"epochs={args.epochs}",
+              "batch_size=128", "channels_last=true", "memory_batch=32"]
+    greedy = out / "sensitivity" / "epoch1" / "greedy_map.yaml"
+    jobs = [train_job(out, "stock", 0, ["compression=none"], common, keep=True),
+            train_job(out, "pool2", 0, ["compression=pool2"], common)]
+    sens_common = ["model=resnet20", "dataset=cifar10", "device=cpu"]
+    jobs += [sensitivity_job(out, e, sens_common, ["stock/seed0"]) for e in range(args.epochs + 1)]
+    for seed in args.seeds:
+        if seed != 0:
+            jobs += [train_job(out, "stock", seed, ["compression=none"], common),
+                     train_job(out, "pool2", seed, ["compression=pool2"], common)]
+        jobs.append(train_job(out, "greedy", seed, ["compression=pool2", f"compression.map_file={greedy}",
+                                                    "compression.name=greedy"], common,
+                              deps=["sensitivity/epoch1"]))
+    jobs.append(search_job(out, common[:4] + ["channels_last=true", "batch_size=128"], args.search_trials,
+                           ["stock/seed0"]))
+    for seed in args.seeds:
+        jobs.append(train_job(out, "adaptive", seed, ["compression=pool2", "compression.name=adaptive",
+                                                      "adaptive.every=1", "adaptive.budget=0.25",
+                                                      "adaptive.probe_batch=128"], common))
+    for seed in args.seeds:
+        # map file resolved when the job starts (after the search)
+        jobs.append(train_job(out, "optuna", seed, ["compression=pool2", "compression.name=optuna",
+                                                    "compression.map_file=@BEST@"], common,
+                              deps=["search"]))
+    return jobs
+
+
+def schedule(jobs: list[Job], workers: int, threads: int, out: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "WANDB_MODE": "disabled", "TQDM_DISABLE": "1"}
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    pending = [j for j in jobs if not j.done.exists()]
+    finished = {j.name for j in jobs if j.done.exists()}
+    failed: set[str] = set()
+    running: list[Job] = []
+    print(f"{len(finished)} jobs already done, {len(pending)} to run", flush=True)
+    while pending or running:
+        for j in list(running):
+            rc = j.proc.poll()
+            if rc is None:
+                continue
+            running.remove(j)
+            ok = rc == 0 and j.done.exists()
+            (finished if ok else failed).add(j.name)
+            print(f"{time.strftime('%H:%M:%S')} {'done' if ok else f'FAILED rc={rc}'}: {j.name} (log {j.log})",
+                  flush=True)
+        for j in list(pending):
+            if len(running) >= workers:
+                break
+            if any(d in failed for d in j.deps):
+                pending.remove(j)
+                failed.add(j.name)
+                print(f"skipped (dependency failed): {j.name}", flush=True)
+                continue
+            if not all(d in finished for d in j.deps):
+                continue
+            argv = [a.replace("@BEST@", str(best_map_file(out))) if "@BEST@" in a else a for a in j.argv]
+            j.log = logs / (j.name.replace("/", "_") + ".log")
+            j.proc = subprocess.Popen(["nice", "-n", "10", *argv], stdout=j.log.open("a"),
+                                      stderr=subprocess.STDOUT, env=env, cwd=REPO)
+            pending.remove(j)
+            running.append(j)
+            print(f"{time.strftime('%H:%M:%S')} start: {j.name}", flush=True)
+        time.sleep(5)
+    print(f"finished {len(finished)}, failed {sorted(failed)}", flush=True)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_train":
+        _train(sys.argv[2], sys.argv[3], sys.argv[4:])
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "proof")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--search-trials", type=int, default=10)
+    p.add_argument("--summarize", action="store_true", help="only write the summary from finished runs")
+    args = p.parse_args()
+    args.out = args.out.resolve()
+    if not args.summarize:
+        schedule(jobs_for(args), args.workers, args.threads, args.out)
+    sys.path.insert(0, str(HERE))
+    from proof_summary import summarize
+
+    summarize(args.out)
+
+
+if __name__ == "__main__":
+    main()
