@@ -9,11 +9,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from lessmem.config import build_optimizer, build_scheduler, compression_map
 from lessmem.data import build_datasets, build_loaders
 from lessmem.loggers import CsvLogger, Logger, build_logger
 from lessmem.models import MODELS, build_model
 from lessmem.paths import conf_dir
-from lessmem.train import build_optimizer, build_scheduler, compression_map
 
 CONF = conf_dir()
 CIFAR = Path(__file__).parents[1].parent / "shared/data/cifar10"

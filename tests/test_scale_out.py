@@ -182,8 +182,8 @@ def test_sync_bn_on_cpu_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's SyncBatchNorm is CUDA-only: sync_bn=true with several CPU ranks fails up front."""
     from hydra import compose, initialize_config_dir
 
+    from lessmem.config import validate
     from lessmem.paths import conf_dir
-    from lessmem.train import validate
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = compose("train", overrides=["sync_bn=true", "device=cpu"])

@@ -142,9 +142,10 @@ def _atomic_save(obj: Any, path: Path) -> None:
 def _missing_data_error(root: Path, name: str) -> FileNotFoundError:
     return FileNotFoundError(
         f"{name} data not found at {root}. Put it there in the ImageFolder layout "
-        f"({root}/train/<class>/*.jpg and {root}/test/<class>/*.jpg; from the repo root the "
-        f"default is ../shared/data/{name}), point dataset.root (or $LESSMEM_DATA) at it"
-        + (", or set dataset.download=true." if name == "cifar10" else ".")
+        f"({root}/train/<class>/*.jpg and {root}/test/<class>/*.jpg; the default root is "
+        f"$LESSMEM_DATA/{name}, else ../shared/data/{name}), point dataset.root=... (or "
+        f"LESSMEM_DATA=...) at it"
+        + (", or set dataset.download=true on a machine with internet access." if name == "cifar10" else ".")
     )
 
 
@@ -373,3 +374,28 @@ def _torch_loaders(train: Any, val: Any, cfg: Mapping[str, Any], batch_size: int
     workers = int(cfg.get("workers", 0))
     return (_EpochSeededLoader(train, batch_size, True, workers, seed, max_steps, rank, world_size),
             _EpochSeededLoader(val, eval_batch_size, False, workers, seed, None, rank, world_size))
+
+
+def fixed_batches(cfg: Any, n: int, batch_size: int, split: str = "train", seed: int = 0) -> list[tuple[Tensor, Tensor]]:
+    """The first ``n`` seeded-shuffled, un-augmented batches of the configured dataset."""
+    from omegaconf import OmegaConf
+
+    ds_cfg = OmegaConf.to_container(cfg.dataset, resolve=True)
+    train, val = build_datasets(ds_cfg)
+    data = train if split == "train" else val
+    if not isinstance(data, TensorImages):
+        from torch.utils.data import DataLoader
+
+        g = torch.Generator().manual_seed(seed)
+        loader = DataLoader(data, batch_size, shuffle=True, generator=g)
+    else:
+        loader = TensorLoader(data, batch_size, shuffle=True, augment=False, mean=ds_cfg["mean"],
+                              std=ds_cfg["std"], seed=seed, drop_last=True)
+    batches = []
+    for i, batch in enumerate(loader):
+        if i >= n:
+            break
+        batches.append((batch[0], batch[1]))
+    if len(batches) < n:
+        raise ValueError(f"dataset has only {len(batches)} batches of {batch_size} ({split} split), asked for {n}")
+    return batches

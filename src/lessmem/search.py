@@ -44,16 +44,11 @@ from typing import Any
 import optuna
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lessmem.sensitivity import (
-    SensitivityResult,
-    build_model_from_cfg,
-    compose_config,
-    fixed_batches,
-    group_layers,
-    load_checkpoint,
-    sensitivity,
-    write_map_yaml,
-)
+from lessmem.checkpoint import load_checkpoint
+from lessmem.config import compose_config
+from lessmem.data import fixed_batches
+from lessmem.models import build_model_from_cfg
+from lessmem.sensitivity import SensitivityResult, group_layers, sensitivity, write_map_yaml
 
 log = logging.getLogger(__name__)
 

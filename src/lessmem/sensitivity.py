@@ -12,17 +12,16 @@ Hooks capture both, and each layer × kernel costs one extra weight-gradient con
 The same argument makes per-layer fidelities composable: the fidelity of any per-layer map is
 the per-layer fidelity of its kernels, with no further backward passes (used by ``lessmem.search``).
 
-Imports torch, numpy, matplotlib (lazily) and, in ``main`` only, Hydra.
+Imports torch and numpy (matplotlib lazily). The command line (``lessmem-sensitivity``) is
+``lessmem.sensitivity_cli``.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import logging
 import math
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,6 @@ from torch import Tensor, nn
 
 from lessmem._callable import make_module_callable
 from lessmem.compress.ops import expand_blocks, pool_blocks
-from lessmem.models import build_model_from_cfg
 
 log = logging.getLogger(__name__)
 
@@ -524,152 +522,24 @@ def append_history(result: SensitivityResult, path: str | Path, step: int, epoch
         writer.writerows(rows)
 
 
-# --------------------------------------------------------------------------- CLI
-
-_DEFAULTS = {
-    "batches": 4,
-    "batch_size": 32,
-    "kernels": list(DEFAULT_KERNELS),
-    "out": None,            # default: outputs/sensitivity/<model>
-    "split": "train",       # train | val (no augmentation either way)
-    "checkpoint": None,     # state_dict (or a dict with 'model') to load; default: random init
-    "map_out": None,        # e.g. conf/compression/sensitivity_resnet18_cifar.yaml
-    "budget": 0.5,          # generated map: fraction of all-k=1 conv-input bytes (or bytes if > 1)
-    "min_cosine": None,
-    "groups": None,
-}
+# Names that moved out of this module (configured runs are lessmem.sensitivity_cli's concern):
+# still importable from here, without importing their modules eagerly.
+_MOVED = {"compose_config": "lessmem.config", "fixed_batches": "lessmem.data",
+          "load_checkpoint": "lessmem.checkpoint", "build_model_from_cfg": "lessmem.models",
+          "run_from_config": "lessmem.sensitivity_cli", "main": "lessmem.sensitivity_cli"}
 
 
-def compose_config(overrides: Sequence[str], config_name: str = "train") -> Any:
-    """Hydra compose of ``conf/<config_name>.yaml`` with command-line style overrides."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        import importlib
 
-    from lessmem.paths import conf_dir
-
-    if GlobalHydra.instance().is_initialized():
-        GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-        return compose(config_name, overrides=list(overrides))
-
-
-def _split_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
-    """``sensitivity.x=v`` / ``+sensitivity.x=v`` are ours; the rest go to Hydra."""
-    import yaml
-
-    hydra_args, ours = [], dict(_DEFAULTS)
-    for arg in argv:
-        key, sep, value = arg.lstrip("+").partition("=")
-        if key.startswith("sensitivity."):
-            name = key.split(".", 1)[1]
-            if name not in _DEFAULTS or not sep:
-                raise SystemExit(f"unknown option {arg!r}; sensitivity.* options: {sorted(_DEFAULTS)}")
-            ours[name] = yaml.safe_load(value)
-        else:
-            hydra_args.append(arg)
-    return hydra_args, ours
-
-
-def fixed_batches(cfg: Any, n: int, batch_size: int, split: str = "train", seed: int = 0) -> list[tuple[Tensor, Tensor]]:
-    """The first ``n`` seeded-shuffled, un-augmented batches of the configured dataset."""
-    from omegaconf import OmegaConf
-
-    from lessmem.data import TensorImages, TensorLoader, build_datasets
-
-    ds_cfg = OmegaConf.to_container(cfg.dataset, resolve=True)
-    train, val = build_datasets(ds_cfg)
-    data = train if split == "train" else val
-    if not isinstance(data, TensorImages):
-        from torch.utils.data import DataLoader
-
-        g = torch.Generator().manual_seed(seed)
-        loader = DataLoader(data, batch_size, shuffle=True, generator=g)
-    else:
-        loader = TensorLoader(data, batch_size, shuffle=True, augment=False, mean=ds_cfg["mean"],
-                              std=ds_cfg["std"], seed=seed, drop_last=True)
-    batches = []
-    for i, batch in enumerate(loader):
-        if i >= n:
-            break
-        batches.append((batch[0], batch[1]))
-    if len(batches) < n:
-        raise ValueError(f"dataset has only {len(batches)} batches of {batch_size} ({split} split), asked for {n}")
-    return batches
-
-
-def load_checkpoint(model: nn.Module, path: str | Path) -> None:
-    from lessmem.paths import resolve_path
-
-    state = torch.load(resolve_path(path), map_location="cpu", weights_only=False)
-    if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
-        state = state["model"]
-    model.load_state_dict(state)
-
-
-def run_from_config(cfg: Any, opts: Mapping[str, Any]) -> tuple[SensitivityResult, dict[str, Path]]:
-    """Build model + batches from a composed train config and write table, PNG and map."""
-    torch.manual_seed(int(cfg.get("seed", 0)))
-    model = build_model_from_cfg(cfg)
-    if opts.get("checkpoint"):
-        load_checkpoint(model, opts["checkpoint"])
-    device = "cuda" if cfg.get("device", "auto") in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
-    model.to(device).train()
-    batches = fixed_batches(cfg, int(opts["batches"]), int(opts["batch_size"]), str(opts["split"]),
-                            int(cfg.get("seed", 0)))
-    result = sensitivity(model, batches, [int(k) for k in opts["kernels"]], progress=True)
-    model_name = str(cfg.model.name)
-    result.meta.update({
-        "model": model_name, "dataset": str(cfg.dataset.name), "batch_size": int(opts["batch_size"]),
-        "split": opts["split"], "weights": str(opts.get("checkpoint") or "random init"),
-        "title": f"{model_name} ({opts.get('checkpoint') and 'trained' or 'random init'}), "
-                 f"{cfg.dataset.name}, {result.n_batches}x{opts['batch_size']} images: grad cosine",
-    })
-    out = Path(opts["out"] or f"outputs/sensitivity/{model_name}")
-    paths = result.save(out)
-    kmap = result.make_map(opts.get("budget"), opts.get("min_cosine"), opts.get("groups"))
-    comment = (f"Generated by lessmem-sensitivity ({model_name}, {result.meta['weights']}): greedy map, "
-               f"budget={opts.get('budget')}, min_cosine={opts.get('min_cosine')}.\n"
-               f"conv-input bytes {result.saved_bytes(kmap)} of {result.baseline_bytes()} "
-               f"(batch {opts['batch_size']}); mean grad cosine {result.mean_cosine(kmap):.4f}")
-    map_path = Path(opts["map_out"]) if opts.get("map_out") else out / f"sensitivity_{model_name}.yaml"
-    paths["map"] = write_map_yaml(kmap, map_path, comment=comment)
-    return result, paths
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``lessmem-sensitivity [hydra overrides] [sensitivity.KEY=VALUE ...]``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        parser = argparse.ArgumentParser(
-            prog="lessmem-sensitivity",
-            description="Per-layer weight-gradient fidelity of pooled activations, one backward per "
-                        "batch. Arguments are Hydra overrides of conf/train.yaml plus "
-                        f"sensitivity.KEY=VALUE with KEY in {sorted(_DEFAULTS)}.",
-            epilog="example: lessmem-sensitivity model=resnet18_cifar dataset=cifar10 "
-                   "sensitivity.batches=4 sensitivity.out=docs/results/sensitivity "
-                   "sensitivity.map_out=conf/compression/sensitivity_resnet18_cifar.yaml")
-        parser.print_help()
-        return 0
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    hydra_args, opts = _split_overrides(argv)
-    try:
-        cfg = compose_config(hydra_args)
-        result, paths = run_from_config(cfg, opts)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        print(f"lessmem-sensitivity: error: {e}", file=sys.stderr)
-        return 2
-    kmap = result.make_map(opts.get("budget"), opts.get("min_cosine"), opts.get("groups"))
-    print(f"layers: {len(result.layers)}, batches: {result.n_batches}, kernels: {result.kernels}")
-    for k in result.kernels:
-        u = result.uniform_map(k)
-        print(f"  uniform {k}x{k}: conv-input bytes {result.saved_bytes(u):>12,d}  mean cosine {result.mean_cosine(u):.4f}")
-    print(f"  generated   : conv-input bytes {result.saved_bytes(kmap):>12,d}  mean cosine {result.mean_cosine(kmap):.4f}")
-    for key, p in paths.items():
-        print(f"{key}: {p}")
-    return 0
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 make_module_callable(__name__, sensitivity)  # lessmem.sensitivity(model, batches, ...)
 
 if __name__ == "__main__":
+    from lessmem.sensitivity_cli import main
+
     raise SystemExit(main())

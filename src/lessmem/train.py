@@ -1,377 +1,65 @@
-"""Training entry: ``run(cfg) -> metrics`` (used by the CLI, sweeps and tests).
+"""Training entry: ``run(cfg) -> metrics`` (used by the CLI, sweeps, search and tests).
 
 Writes to ``cfg.out_dir``: ``config.yaml`` (resolved), ``metrics.jsonl`` (one line per epoch),
 ``checkpoint.pt`` (atomic), ``metrics.json`` (final), and ``grad_cosine.jsonl`` when enabled.
+The pieces live in their own modules: ``config`` (builders), ``distributed``, ``checkpoint``,
+``probes`` (measurements), ``adaptive`` and ``coverage_report``; ``lessmem.cli`` is the console
+entry (``python -m lessmem.train`` runs it).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
-import logging
-import math
-import os
-import random
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.nn.functional as F
-import yaml
 from omegaconf import DictConfig, OmegaConf
-from torch import Tensor, nn
-from torch import distributed as dist
+from torch import nn
 from tqdm.auto import tqdm
 
-import lessmem
+from lessmem.adaptive import adapt_compression
+from lessmem.checkpoint import (
+    atomic_torch_save,
+    atomic_write_text,
+    check_compatible,
+    read_checkpoint,
+    rng_state,
+    seed_everything,
+    set_rng_state,
+)
+from lessmem.config import (
+    autocast,
+    build_optimizer,
+    build_scheduler,
+    compress_from_config,
+    compression_map,
+    open_struct,
+    resolve_device,
+    validate,
+)
+from lessmem.coverage_report import write_coverage
 from lessmem.data import build_loaders
+from lessmem.distributed import (
+    all_reduce_sum,
+    broadcast_object,
+    is_main_process,
+    setup_distributed,
+    teardown,
+    unwrap,
+)
+from lessmem.faults import fault_point
 from lessmem.loggers import Logger as NullLogger
 from lessmem.loggers import build_logger
 from lessmem.models import build_model_from_cfg
-from lessmem.paths import resolve_path
+from lessmem.probes import evaluate, first_batch, first_images, grad_cosine, measure
 
-log = logging.getLogger(__name__)
-
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 TIME_KEYS = ("epoch_time_s", "throughput_img_s", "train_time_s")  # differ between identical runs
-
-
-# --------------------------------------------------------------------------- config helpers
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={name} but CUDA is not available; use device=cpu or auto")
-    return torch.device(name)
-
-
-def validate(cfg: DictConfig, device: torch.device) -> None:
-    if cfg.precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {cfg.precision!r}")
-    if cfg.precision == "fp16" and device.type != "cuda":
-        raise ValueError("precision=fp16 needs CUDA (GradScaler); on CPU use bf16 or fp32")
-    for key in ("epochs", "batch_size", "eval_batch_size", "memory_batch", "checkpoint_every"):
-        if int(cfg[key]) < 1:
-            raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
-    if cfg.get("sync_bn") and _world_size() > 1:
-        if device.type != "cuda":
-            raise ValueError(
-                "sync_bn=true needs CUDA: torch's SyncBatchNorm has no CPU (gloo) implementation. "
-                "On CPU use sync_bn=false (BatchNorm statistics per rank) or a model without BatchNorm"
-            )
-        if cfg.compression.get("norm_storage", "native") != "native":
-            raise ValueError("sync_bn=true needs compression.norm_storage=native (SyncBatchNorm "
-                             "replaces the reduced-storage BatchNorm layers)")
-
-
-# --------------------------------------------------------------------------- distributed
-
-
-@dataclass
-class DistInfo:
-    """This process's place in a ``torchrun`` job; rank 0 of 1 without one."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    owns_group: bool = False  # init_process_group was called here (destroyed at the end of run)
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def _world_size() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def is_main_process() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-def setup_distributed(cfg: DictConfig, device: torch.device) -> tuple[DistInfo, torch.device]:
-    """Join the process group ``torchrun`` describes (WORLD_SIZE / RANK / LOCAL_RANK in the
-    environment). ``distributed.backend``: auto = nccl on CUDA, gloo on CPU. Each rank uses GPU
-    ``LOCAL_RANK`` when the device is CUDA. One process (no torchrun): nothing to do."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1 and not (dist.is_available() and dist.is_initialized()):
-        return DistInfo(), device
-    dcfg = cfg.get("distributed") or {}
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device.type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    owns = False
-    if not dist.is_initialized():
-        backend = str(dcfg.get("backend", "auto"))
-        if backend == "auto":
-            backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=int(dcfg.get("timeout_s", 1800))))
-        owns = True
-    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, owns), device
-
-
-def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    """Sum per-rank numbers over all ranks (unchanged in one process)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values
-    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor(values, dtype=torch.float64, device=on)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
-def compression_map(ccfg: DictConfig) -> dict[str, Any]:
-    """The pattern -> kernel map: ``compression.map_file`` (YAML with a top-level ``map:`` or a
-    plain map) when set, else ``compression.map``."""
-    if ccfg.get("map_file"):
-        path = resolve_path(ccfg.map_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"compression.map_file {path} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
-        if isinstance(data, dict) and isinstance(data.get("map"), dict):
-            data = data["map"]
-        if not isinstance(data, dict):
-            raise ValueError(f"compression.map_file {path}: expected a mapping of pattern -> kernel")
-        return data
-    raw = ccfg.get("map") or {}
-    return OmegaConf.to_container(raw) if isinstance(raw, DictConfig) else dict(raw)
-
-
-def build_optimizer(ocfg: DictConfig, params: Any) -> torch.optim.Optimizer:
-    if ocfg.name == "sgd":
-        return torch.optim.SGD(params, lr=ocfg.lr, momentum=ocfg.get("momentum", 0.0),
-                               weight_decay=ocfg.get("weight_decay", 0.0),
-                               nesterov=bool(ocfg.get("nesterov", False)))
-    if ocfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=ocfg.lr, betas=tuple(ocfg.get("betas", (0.9, 0.999))),
-                                 weight_decay=ocfg.get("weight_decay", 0.01))
-    raise ValueError(f"unknown optimizer {ocfg.name!r}; available: sgd, adamw")
-
-
-def build_scheduler(scfg: DictConfig, optimizer: torch.optim.Optimizer, epochs: int,
-                    steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Per-step schedule: linear warmup, then cosine / step / constant. The cosine horizon is
-    ``epochs``, so resume with the same ``epochs`` to reproduce an uninterrupted run."""
-    total, warmup = epochs * steps_per_epoch, int(scfg.get("warmup_epochs", 0) * steps_per_epoch)
-    name = scfg.name
-    if name not in ("cosine", "step", "none"):
-        raise ValueError(f"unknown scheduler {name!r}; available: cosine, step, none")
-    floor = float(scfg.get("min_lr_ratio", 0.0))
-    milestones = [int(m) * steps_per_epoch for m in scfg.get("milestones", [])]
-    gamma = float(scfg.get("gamma", 0.1))
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if name == "cosine":
-            t = (step - warmup) / max(1, total - warmup)
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
-        if name == "step":
-            return gamma ** sum(step >= m for m in milestones)
-        return 1.0
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-# --------------------------------------------------------------------------- measurements
-
-
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    dtype = PRECISIONS[precision]
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
-
-
-def first_images(loader: Any, n: int) -> Tensor:
-    return first_batch(loader, n)[0]
-
-
-def measure(stock: nn.Module, model: nn.Module, x: Tensor, device: torch.device, precision: str) -> dict[str, Any]:
-    """Saved-for-backward bytes of the stock and the compressed model on one batch. Runs on
-    copies in train mode so BatchNorm statistics and RNG of the real model are untouched."""
-    out: dict[str, Any] = {"memory_batch": len(x)}
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for prefix, net in (("stock_", stock), ("", model)):
-            net = copy.deepcopy(net).to(device).train()
-            with autocast(device, precision):
-                report = lessmem.measure_memory(net, x.to(device))
-            out[f"{prefix}saved_bytes"] = report.total_bytes
-            out[f"{prefix}cuda_peak_bytes"] = report.cuda_peak_bytes
-            if not prefix:
-                out["saved_bytes_per_layer"] = report.per_layer
-            del net
-    out["ratio"] = out["saved_bytes"] / out["stock_saved_bytes"] if out["stock_saved_bytes"] else float("nan")
-    return out
-
-
-def first_batch(loader: Any, n: int) -> tuple[Tensor, Tensor]:
-    """The first ``n`` (images, labels) of a loader: a fixed probe batch."""
-    xs, ys, have = [], [], 0
-    for x, y in loader:
-        xs.append(x)
-        ys.append(y)
-        have += len(y)
-        if have >= n:
-            break
-    return torch.cat(xs)[:n], torch.cat(ys)[:n]
-
-
-def compress_from_config(net: nn.Module, mapping: dict[str, Any], cfg: DictConfig) -> None:
-    """Apply ``mapping`` with the config's norm storage and exact-companion settings."""
-    lessmem.compress(net, mapping, norm_storage=cfg.compression.get("norm_storage", "native"),
-                     exact_companions=bool(cfg.compression.get("exact_companions", True)))
-
-
-def adapt_compression(net: nn.Module, probe: tuple[Tensor, Tensor], acfg: Any, cfg: DictConfig,
-                      epoch: int, x_memory: Tensor, out_dir: Path, logger: Any,
-                      is_main: bool) -> dict[str, int]:
-    """Adaptive schedule: re-measure every conv's weight-gradient fidelity on the fixed probe
-    batch and re-assign kernels greedily within the memory budget (most bytes saved per
-    fidelity lost). Deterministic, so every DDP rank arrives at the same map."""
-    from lessmem.sensitivity import append_history, sensitivity
-
-    device = next(net.parameters()).device
-    was_training = net.training
-    net.train()
-    result = sensitivity(net, [(probe[0].to(device), probe[1].to(device))],
-                         kernels=[int(k) for k in acfg.get("kernels", (1, 2, 4, 8))])
-    budget = acfg.get("budget")
-    mapping = result.make_map(None if budget is None else float(budget), acfg.get("min_cosine"))
-    compress_from_config(net, mapping, cfg)
-    net.train(was_training)
-    change = {
-        "epoch": epoch, "conv_input_bytes": result.saved_bytes(mapping),
-        "conv_input_bytes_uncompressed": result.baseline_bytes(),
-        "mean_grad_cosine": result.mean_cosine(mapping),
-        "saved_bytes": lessmem.measure_memory(net, x_memory.to(device)).total_bytes,
-        "map": {n: k for n, k in mapping.items() if k != 1},
-    }
-    if is_main:
-        append_history(result, out_dir / "sensitivity.csv", step=epoch, epoch=epoch)
-        with (out_dir / "adaptive.jsonl").open("a") as f:
-            f.write(json.dumps(change) + "\n")
-        log.info("adaptive map at epoch %d: %d conv-input bytes (%.3f of exact), mean cosine %.3f",
-                 epoch, change["conv_input_bytes"],
-                 change["conv_input_bytes"] / max(1, change["conv_input_bytes_uncompressed"]),
-                 change["mean_grad_cosine"])
-    logger.log({f"adaptive/{k}": v for k, v in change.items() if k != "map"} | {"epoch": epoch})
-    return mapping
-
-
-def write_coverage(model: nn.Module, x: Tensor, out_dir: Path, title: str) -> lessmem.CoverageReport:
-    """Which saved tensors are compressed and which stay full (coverage.csv/json/png)."""
-    from lessmem.coverage_cli import save_report
-
-    report = lessmem.coverage(model, x)
-    save_report(report, out_dir, title)
-    return report
-
-
-def grad_cosine(model: nn.Module, x: Tensor, y: Tensor, criterion: nn.Module, device: torch.device,
-                precision: str) -> dict[str, float]:
-    """Cosine(exact weight grad, compressed weight grad) per compressed layer, on the batch whose
-    compressed grads are in ``model`` now. The exact grads come from an uncompressed copy
-    (forward is exact, so both see identical activations); scale-invariant, so GradScaler is fine."""
-    layers = lessmem.compressed_layers(model)
-    if not layers:
-        return {}
-    grads = {n: model.get_submodule(n).weight.grad for n in layers}
-    exact = copy.deepcopy(model)
-    lessmem.uncompress(exact)
-    exact.zero_grad(set_to_none=True)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        with autocast(device, precision):
-            loss = criterion(exact(x), y)
-        loss.backward()
-    out = {}
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    for name, g in grads.items():
-        ge = exact.get_submodule(name).weight.grad
-        if ge is not None and world > 1:  # DDP averaged the compressed grads over the ranks
-            dist.all_reduce(ge)
-            ge /= world
-        if g is not None and ge is not None:
-            out[name] = F.cosine_similarity(g.flatten().float(), ge.flatten().float(), dim=0).item()
-    return out
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, loader: Any, criterion: nn.Module, device: torch.device,
-             precision: str) -> dict[str, float]:
-    model.eval()
-    loss_sum, top1, top5, n = 0.0, 0, 0, 0
-    for x, y in loader:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with autocast(device, precision):
-            logits = model(x)
-        loss_sum += criterion(logits.float(), y).item() * len(y)
-        top = logits.topk(min(5, logits.shape[1]), dim=1).indices
-        top1 += (top[:, 0] == y).sum().item()
-        top5 += (top == y[:, None]).any(dim=1).sum().item()
-        n += len(y)
-    loss_sum, top1, top5, n = _all_reduce_sum([loss_sum, top1, top5, n], device)  # ranks' shards
-    return {"val_loss": loss_sum / n, "val_top1": top1 / n, "val_top5": top5 / n}
-
-
-# --------------------------------------------------------------------------- checkpoints
-
-
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    """Write to a temp file then rename: a crash mid-write leaves the previous file intact."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def atomic_write_text(text: str, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def rng_state() -> dict[str, Any]:
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-
-
-# --------------------------------------------------------------------------- run
 
 
 def default_out_dir() -> Path:
@@ -393,11 +81,9 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
     # trains on its shard of every global batch, rank 0 writes files and talks to W&B.
     ddp, device = setup_distributed(cfg, device)
     out_dir = Path(cfg.get("out_dir") or default_out_dir()).resolve()
-    if ddp.world_size > 1:  # rank 0's (Hydra's run dir may differ by a second between ranks)
-        box = [str(out_dir)]
-        dist.broadcast_object_list(box, src=0)
-        out_dir = Path(box[0])
-    with _open_struct(cfg):
+    # rank 0's (Hydra's run dir may differ by a second between ranks)
+    out_dir = Path(broadcast_object(str(out_dir)))
+    with open_struct(cfg):
         cfg.out_dir = str(out_dir)
     validate(cfg, device)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -407,6 +93,7 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
             f"resume=true but there is no checkpoint at {ckpt_path}; point out_dir (or hydra.run.dir) "
             "at the directory of the run to continue"
         )
+    ckpt = read_checkpoint(ckpt_path, device) if cfg.resume else None  # unreadable: fail now
     seed = int(cfg.seed)
     seed_everything(seed)
 
@@ -457,9 +144,8 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
     probe = first_batch(val_loader, int(adaptive.get("probe_batch", 32))) if adapt_every else None
 
     start_epoch, history, adaptive_map = 0, [], None
-    if cfg.resume:
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
-        _check_compatible(ckpt.get("config", {}), cfg)
+    if ckpt is not None:
+        check_compatible(ckpt.get("config", {}), OmegaConf.to_container(cfg, resolve=True))
         net.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
@@ -473,6 +159,7 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
         if ckpt.get("adaptive_map") is not None:  # the kernels in force when it was saved
             adaptive_map = ckpt["adaptive_map"]
             compress_from_config(net, adaptive_map, cfg)
+        ckpt = None  # its tensors are copies on the device: free them
     if ddp.is_main:
         # Rewrite from the checkpoint: drops lines of epochs that finished after the last checkpoint.
         atomic_write_text("".join(json.dumps(h) + "\n" for h in history), out_dir / "metrics.jsonl")
@@ -519,9 +206,7 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
         logger.finish(exit_code=1)
         raise
     logger.finish(exit_code=0)
-    if ddp.owns_group:
-        dist.barrier()
-        dist.destroy_process_group()
+    teardown(ddp)
     return metrics
 
 
@@ -548,7 +233,7 @@ def train_epoch(model: nn.Module, loader: Any, criterion: nn.Module, optimizer: 
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
         if cos_every and global_step % cos_every == 0:
-            cos = grad_cosine(_unwrap(model), x, y, criterion, device, cfg.precision)
+            cos = grad_cosine(unwrap(model), x, y, criterion, device, cfg.precision)
             for name, c in cos.items():
                 cos_sums[name].append(c)
             if cos and main:
@@ -558,12 +243,13 @@ def train_epoch(model: nn.Module, loader: Any, criterion: nn.Module, optimizer: 
         scaler.step(optimizer)
         scaler.update()
         scheduler.step()
+        fault_point("train_step")
         loss_sum += loss.item() * len(y)
         correct += (logits.argmax(1) == y).sum().item()
         seen += len(y)
         bar.set_postfix(loss=f"{loss_sum / seen:.3f}", lr=f"{optimizer.param_groups[0]['lr']:.3g}")
     bar.close()
-    loss_sum, correct, seen = _all_reduce_sum([loss_sum, correct, seen], device)  # global batch
+    loss_sum, correct, seen = all_reduce_sum([loss_sum, correct, seen], device)  # global batch
     elapsed = time.perf_counter() - start
     record: dict[str, Any] = {
         "epoch": epoch + 1, "lr": lr, "train_loss": loss_sum / seen, "train_top1": correct / seen,
@@ -603,24 +289,6 @@ def _wandb_names(record: dict[str, Any]) -> dict[str, Any]:
         elif k == "grad_cosine_mean":
             out["train/grad_cosine_mean"] = v
     return out
-
-
-def _check_compatible(saved: dict[str, Any], cfg: DictConfig) -> None:
-    now = OmegaConf.to_container(cfg, resolve=True)
-    for key in ("model", "compression", "optimizer", "scheduler", "batch_size", "seed"):
-        if key in saved and saved[key] != now.get(key):
-            raise ValueError(f"resume: {key} differs from the checkpoint's ({saved[key]} vs {now.get(key)})")
-
-
-@contextlib.contextmanager
-def _open_struct(cfg: DictConfig):
-    # Configs from compose() are in struct mode; out_dir may be absent in hand-built ones.
-    struct = OmegaConf.is_struct(cfg)
-    OmegaConf.set_struct(cfg, False)
-    try:
-        yield
-    finally:
-        OmegaConf.set_struct(cfg, struct)
 
 
 if __name__ == "__main__":
