@@ -197,3 +197,29 @@ def test_experiment_option(name: str) -> None:
 def test_conf_dir_env_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("LESSMEM_CONF", str(tmp_path))
     assert conf_dir() == tmp_path.resolve()
+
+
+def test_configs_ship_in_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lessmem
+
+    monkeypatch.delenv("LESSMEM_CONF", raising=False)
+    assert conf_dir() == (Path(lessmem.__file__).parent / "conf").resolve()
+    repo_conf = Path(__file__).parents[1] / "conf"  # the checkout's view: a symlink to them
+    assert repo_conf.resolve() == conf_dir()
+
+
+def test_lessmem_info_lists_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from lessmem.info import main
+
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    for name in ("resnet20", "vit_tiny_cifar", "pool2", "paper_resnet18", "synthetic", "adamw", "cosine",
+                 "wandb", "cpu_quick", "slurm_gpu", str(conf_dir())):
+        assert name in out, name
+    assert main(["--json", "compression"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert set(info["groups"]) == {"compression"} and "pool4" in info["groups"]["compression"]
+    assert set(MODELS) == set(info["architectures"])
+    assert main(["nope"]) == 2 and "unknown group" in capsys.readouterr().err

@@ -1,0 +1,188 @@
+"""Crashes and bad inputs through the console entries (subprocesses, CPU, tiny synthetic data).
+
+Kills are real SIGKILLs: ``LESSMEM_FAULT=<point>:<n>`` (``lessmem.faults``) makes the process
+kill itself at a chosen step or inside a checkpoint write, so the crash lands at the same place
+every time. After each kill a ``resume=true`` run must end exactly like an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from lessmem.train import TIME_KEYS
+
+# 64 training images = 2 steps of 32 per epoch, 3 epochs: a few seconds per run on one core.
+TINY = ["model=resnet20", "compression=pool2", "dataset=synthetic", "dataset.size=64",
+        "dataset.val_size=32", "batch_size=32", "eval_batch_size=32", "memory_batch=4", "epochs=3",
+        "logger=disabled", "device=cpu"]
+KILLED = -signal.SIGKILL
+
+
+def _env(fault: str | None = None) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "WANDB_SILENT": "true"}
+    for key in ("HYDRA_FULL_ERROR", "LESSMEM_FAULT"):
+        env.pop(key, None)
+    if fault:
+        env["LESSMEM_FAULT"] = fault
+    return env
+
+
+def _train_cmd() -> list[str]:
+    exe = shutil.which("lessmem-train")  # the console entry itself when installed
+    return [exe] if exe else [sys.executable, "-m", "lessmem.train"]
+
+
+def _train(out: Path, *args: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*_train_cmd(), *TINY, f"hydra.run.dir={out}", *args], cwd=out.parent,
+                          env=_env(fault), capture_output=True, text=True, timeout=300)
+
+
+def _comparable(metrics: dict) -> dict:
+    out = {k: v for k, v in metrics.items() if k not in TIME_KEYS}
+    out["history"] = [{k: v for k, v in h.items() if k not in TIME_KEYS} for h in metrics["history"]]
+    return out
+
+
+def _epochs(out: Path) -> list[int]:
+    return [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _ckpt_epoch(out: Path) -> int:
+    return int(torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)["epoch"])
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("straight") / "run"
+    proc = _train(out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _epochs(out) == [1, 2, 3]
+    return json.loads((out / "metrics.json").read_text())
+
+
+def _resume_matches(out: Path, straight: dict) -> None:
+    proc = _train(out, "resume=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _epochs(out) == [1, 2, 3]  # no epoch lost, none twice
+    resumed = json.loads((out / "metrics.json").read_text())
+    assert [h["epoch"] for h in resumed["history"]] == [1, 2, 3]
+    assert _comparable(resumed) == _comparable(straight)
+
+
+def test_kill_during_epoch_then_resume(straight: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = _train(out, fault="train_step:4")  # the last step of epoch 2
+    assert proc.returncode == KILLED, proc.stderr[-3000:]
+    assert not (out / "metrics.json").exists()
+    assert _ckpt_epoch(out) == 1 and _epochs(out) == [1]
+    _resume_matches(out, straight)
+
+
+def test_kill_inside_checkpoint_write_then_resume(straight: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = _train(out, fault="checkpoint_replace:2")  # epoch 2's checkpoint written, not renamed
+    assert proc.returncode == KILLED, proc.stderr[-3000:]
+    assert (out / ".checkpoint.pt.tmp").is_file()  # the half-done write
+    assert _ckpt_epoch(out) == 1  # the previous checkpoint is intact
+    assert _epochs(out) == [1, 2]  # epoch 2 was logged before its checkpoint: resume drops it
+    _resume_matches(out, straight)
+
+
+# --------------------------------------------------------------------------- Optuna worker
+
+
+def test_search_worker_killed_mid_trial_then_rerun(tmp_path: Path) -> None:
+    import optuna
+
+    from lessmem.search import load_sweep, open_study
+
+    base = [a for a in TINY if not a.startswith(("compression=", "epochs="))] + ["epochs=1"]
+    opts = {"study_name": "k", "out_dir": str(tmp_path / "s"), "n_trials": 2, "mode": "budget",
+            "objective": "accuracy", "budget": 0.3, "population_size": 4, "kernels": [1, 2, 4],
+            "groups": ["conv1", "layer1.*", "layer2.*", "layer3.*"], "poll_s": 0.5,
+            "sensitivity": {"batches": 1, "batch_size": 8}, "base_overrides": base}
+    args = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in opts.items()]
+    cmd = [sys.executable, "-m", "lessmem.search", "--worker", *args]
+    journal = tmp_path / "s" / "study.journal"
+
+    killed = subprocess.run(cmd, cwd=tmp_path, env=_env("train_step:1"), capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode == KILLED, killed.stderr[-3000:]
+    study = open_study(load_sweep(None, args), journal)  # the journal loads after the kill
+    running = [t for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
+    assert len(running) == 1 and not any(t.state.is_finished() for t in study.trials)
+
+    rerun = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
+    study = open_study(load_sweep(None, args), journal)
+    states = [t.state for t in study.trials]
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(complete) == 2  # exactly n_trials
+    assert states.count(optuna.trial.TrialState.FAIL) == 1  # the killed one
+    assert optuna.trial.TrialState.RUNNING not in states
+    failed = next(t for t in study.trials if t.state == optuna.trial.TrialState.FAIL)
+    assert failed.number == running[0].number
+    # Its queued map went back to the queue (run again, or waiting behind the other seeds).
+    again = [t for t in study.trials if t.number != failed.number
+             and t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.WAITING)]
+    assert failed.user_attrs.get("seed") in [t.user_attrs.get("seed") for t in again]
+    assert json.loads((tmp_path / "s" / "summary.json").read_text())["complete_trials"] == 2
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+
+def test_bad_inputs_give_one_error_line(tmp_path: Path) -> None:
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("map:\n  conv1: [2\n  '*': 2\n")
+    zero_map = tmp_path / "zero.yaml"
+    zero_map.write_text("map:\n  conv1: 0\n")
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "checkpoint.pt").write_bytes(b"PK\x03\x04 not really a checkpoint")
+    cases = {
+        "unknown model config": (["model=nonexistent"], "Could not find 'model/nonexistent'"),
+        "unknown model name": (["model.name=nope"], "unknown model 'nope'; available:"),
+        "unknown compression": (["compression=nope"], "Could not find 'compression/nope'"),
+        "missing map file": ([f"compression.map_file={tmp_path / 'none.yaml'}"], "does not exist"),
+        "malformed map file": ([f"compression.map_file={bad_yaml}"], "is not valid YAML"),
+        "kernel 0 in map file": ([f"compression.map_file={zero_map}"], "kernel size 0 must be >= 1"),
+        "kernel 0": (["+compression.map.conv1=0"], "kernel size 0 must be >= 1"),
+        "kernel -1": (["+compression.map.conv1=-1"], "kernel size -1 must be >= 1"),
+        "kernel 2.5": (["+compression.map.conv1=2.5"], "kernel size 2.5 is not an integer"),
+        "kernel x": (["+compression.map.conv1=x"], "kernel size 'x' is not an integer"),
+        "corrupt checkpoint": ([f"hydra.run.dir={corrupt}", "resume=true"], "is unreadable"),
+        # The default job (CIFAR-10) without its data: what to do, in one line.
+        "no data": (["--", f"hydra.run.dir={tmp_path / 'o'}", "logger=disabled"], "dataset.download=true"),
+    }
+
+    def attempt(args: list[str]) -> subprocess.CompletedProcess:
+        env = _env()
+        if args[0] == "--":  # not the tiny config: the defaults, with no data where they point
+            args, env["LESSMEM_DATA"] = args[1:], str(tmp_path / "nodata")
+        else:
+            run_dir = [] if any(a.startswith("hydra.run.dir=") for a in args) else [f"hydra.run.dir={tmp_path / 'o'}"]
+            args = [*TINY, *run_dir, *args]
+        return subprocess.run([*_train_cmd(), *args], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    with ThreadPoolExecutor(3) as pool:
+        procs = dict(zip(cases, pool.map(attempt, [args for args, _ in cases.values()]), strict=True))
+    problems = []
+    for name, proc in procs.items():
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        expected = cases[name][1]
+        if not (proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("lessmem-train: error: ")
+                and expected in lines[0]):
+            problems.append(f"{name}: rc={proc.returncode}, stderr={proc.stderr[-1500:]!r}")
+    assert not problems, "\n".join(problems)

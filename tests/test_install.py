@@ -1,0 +1,55 @@
+"""Installed like a real package: a wheel of the project, installed (not editable) into a fresh
+venv, finds its configs from any directory. Offline: no build isolation, no dependencies fetched
+(the venv sees the system site-packages for torch, Hydra, ...)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).parents[1]
+SKIP = shutil.ignore_patterns(".git", "outputs", "multirun", "wandb", "build", "*.egg-info", "__pycache__",
+                              ".pytest_cache", ".ruff_cache", "docs", "analysis", "benchmarks", "tests",
+                              ".cache", ".whl", ".gl")
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_wheel_install_finds_configs_from_anywhere(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LESSMEM_CONF", "HYDRA_FULL_ERROR")}
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, symlinks=True, ignore=SKIP)
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+          "-w", str(tmp_path / "wheels"), str(src)], tmp_path, env)
+    wheel = next((tmp_path / "wheels").glob("lessmem-*.whl"))
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], tmp_path, env)
+    bin_dir = venv / ("Scripts" if os.name == "nt" else "bin")
+    _run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+         tmp_path, env)
+
+    elsewhere = tmp_path / "elsewhere"  # no conf/ here or above
+    elsewhere.mkdir()
+    where = _run([str(bin_dir / "python"), "-c", "import json, lessmem, lessmem.paths as p; "
+                  "print(json.dumps([lessmem.__file__, str(p.conf_dir())]))"], elsewhere, env)
+    module, conf = json.loads(where.stdout)
+    assert Path(module).is_relative_to(venv) and Path(conf).is_relative_to(venv)
+    assert (Path(conf) / "train.yaml").is_file() and (Path(conf) / "compression" / "pool2.yaml").is_file()
+
+    job = _run([str(bin_dir / "lessmem-train"), "--cfg", "job", "model=resnet18", "compression=pool2"], elsewhere, env)
+    assert "name: resnet18" in job.stdout and "name: pool2" in job.stdout
+    info = _run([str(bin_dir / "lessmem-info"), "compression"], elsewhere, env)
+    assert "pool4" in info.stdout
+    _run([str(bin_dir / "lessmem-train"), "dataset=synthetic", "dataset.size=16", "dataset.val_size=8",
+          "batch_size=8", "eval_batch_size=8", "memory_batch=2", "epochs=1", "max_steps_per_epoch=1",
+          "logger=disabled", "device=cpu", f"hydra.run.dir={elsewhere / 'run'}"], elsewhere, env)
+    assert json.loads((elsewhere / "run" / "metrics.json").read_text())["epochs"] == 1
