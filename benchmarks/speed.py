@@ -5,6 +5,10 @@ machine noise hits both alike; the reported ratio is median(compressed) / median
 
     python benchmarks/speed.py --model resnet18 --batch 32 --size 224 --kernels 2 4
     python benchmarks/speed.py --compile          # torch.compile both (compile time not timed)
+    python benchmarks/speed.py --model resnet20 --size 32 --batch 128 --channels-last
+    python benchmarks/speed.py --model resnet18 --size 64 --batch 16 --profile 2   # top ops
+
+Models: torchvision names and lessmem's registry (resnet20, resnet18_cifar, ...).
 """
 
 from __future__ import annotations
@@ -36,19 +40,24 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--compile", action="store_true", help="torch.compile stock and compressed models")
+    parser.add_argument("--channels-last", action="store_true", help="NHWC model and input (oneDNN)")
+    parser.add_argument("--profile", type=int, default=None, metavar="K",
+                        help="also print the top ops (self CPU time) of stock and KxK, one step each")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
-    stock = getattr(torchvision.models, args.model)(num_classes=10)
+    stock = build(args.model)
+    fmt = torch.channels_last if args.channels_last else torch.contiguous_format
+    stock = stock.to(memory_format=fmt)
     models = {"stock": stock}
     for k in args.kernels:
         models[f"{k}x{k}"] = lessmem.compress(copy.deepcopy(stock), {"*": k})
     optimizers = {n: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for n, m in models.items()}
     if args.compile:
         models = {n: torch.compile(m) for n, m in models.items()}
-    x = torch.randn(args.batch, 3, args.size, args.size)
+    x = torch.randn(args.batch, 3, args.size, args.size).contiguous(memory_format=fmt)
     y = torch.randint(0, 10, (args.batch,))
 
     times: dict[str, list[float]] = {n: [] for n in models}
@@ -61,13 +70,36 @@ def main() -> None:
 
     base = statistics.median(times["stock"])
     mode = "torch.compile" if args.compile else "eager"
-    print(f"{args.model}, {mode}, batch {args.batch}, {args.size}x{args.size}, fp32, "
+    layout = ", channels-last" if args.channels_last else ""
+    print(f"{args.model}, {mode}{layout}, batch {args.batch}, {args.size}x{args.size}, fp32, "
           f"{torch.get_num_threads()} threads, {args.repeats} alternating steps each, torch {torch.__version__}")
     print("| config | median step (s) | min (s) | ratio to stock |")
     print("|---|---|---|---|")
     for name, ts in times.items():
         med = statistics.median(ts)
         print(f"| {name} | {med:.3f} | {min(ts):.3f} | {med / base:.3f} |")
+    if args.profile:
+        for name in ("stock", f"{args.profile}x{args.profile}"):
+            profile_step(name, models[name], optimizers[name], x, y)
+
+
+def build(name: str) -> torch.nn.Module:
+    from lessmem.models import MODELS, build_model
+
+    if name in MODELS:
+        return build_model(name, num_classes=10)
+    return getattr(torchvision.models, name)(num_classes=10)
+
+
+def profile_step(name: str, model, optimizer, x, y, rows: int = 15) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        train_step(model, optimizer, x, y)
+    print(f"\n### {name}: top ops by self CPU time (one step)\n")
+    print("```")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+    print("```")
 
 
 if __name__ == "__main__":

@@ -371,3 +371,42 @@ def test_norm_storage_is_smaller_and_approximate():
     assert sizes["int8"] < sizes["bf16"] < sizes["native"]
     with pytest.raises(ValueError, match="unknown storage"):
         lessmem.compress(model, {"*": 2}, norm_storage="fp8")
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("size", [8, 12, 9])
+def test_block_grid_weight_grad_equals_expanded_input(size, channels_last):
+    """The weight gradient taken on the pooled grid (no expanded copy) equals the one on the
+    expanded block means, for strides that divide k, paddings, dilations and groups; other
+    geometries (odd sizes, stride 3) take the expanding path and must agree too."""
+    from lessmem.compress.ops import conv_grads, expand_blocks, pool_blocks, pooled_conv_grads
+
+    torch.manual_seed(0)
+    for k, s, kk, pad, d, g in [(2, 1, 3, 1, 1, 1), (2, 2, 3, 1, 1, 1), (4, 1, 3, 1, 1, 2),
+                                (4, 2, 1, 0, 1, 1), (2, 1, 5, 2, 2, 1), (2, 2, 2, 0, 1, 4),
+                                (4, 4, 3, 0, 1, 1), (2, 3, 3, 1, 1, 1), (1, 1, 3, 1, 1, 1)]:
+        x = torch.randn(2, 4, size, size, dtype=torch.float64)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        w = torch.randn(8, 4 // g, kk, kk, dtype=torch.float64)
+        go = torch.randn_like(F.conv2d(x, w, None, s, pad, d, g))
+        pooled = pool_blocks(x, (k, k))
+        geometry = ((s, s), (pad, pad), (d, d), g)
+        ref = conv_grads(go, expand_blocks(pooled, (k, k), (size, size)), w, True, *geometry,
+                         (True, True, True))
+        got = pooled_conv_grads(go, pooled, x.shape, w, True, *geometry, (k, k), (True, True, True))
+        for a, b in zip(ref, got, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
+
+
+def test_channels_last_model_matches_stock():
+    """NHWC models: same outputs, exact input grads, masks packed in memory order."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 64, 64).contiguous(memory_format=torch.channels_last)
+    stock_out, stock_gx, _ = model_grads(model, x)
+    lessmem.compress(model, {"*": 2})
+    out, gx, grads = model_grads(model, x)
+    assert torch.equal(out, stock_out)
+    torch.testing.assert_close(gx, stock_gx, rtol=1e-4, atol=1e-6)
+    assert grads["conv1.weight"].is_contiguous(memory_format=torch.channels_last)

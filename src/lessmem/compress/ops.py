@@ -21,15 +21,41 @@ Pair = tuple[int, int]
 
 def pool_blocks(x: Tensor, kernel: Pair) -> Tensor:
     """k×k block means. ``ceil_mode`` keeps partial edge blocks, averaged over their true size."""
+    h, w = x.shape[-2:]
+    if x.dim() == 4 and h % kernel[0] == 0 and w % kernel[1] == 0:
+        # Blocks tile the input: sums of strided views (one pass, any memory layout) beat
+        # avg_pool2d on CPU.
+        return sum_strided(sum_strided(x, kernel[0], 2), kernel[1], 3).mul_(1.0 / (kernel[0] * kernel[1]))
     return F.avg_pool2d(x, kernel, stride=kernel, ceil_mode=True)
 
 
+def sum_strided(x: Tensor, m: int, dim: int) -> Tensor:
+    """Sums of ``m`` consecutive entries along ``dim`` (its size a multiple of m)."""
+    if m == 1:
+        return x
+    parts = [x[(slice(None),) * dim + (slice(j, None, m),)] for j in range(m)]
+    out = parts[0] + parts[1]
+    for part in parts[2:]:
+        out += part
+    return out
+
+
 def expand_blocks(pooled: Tensor, kernel: Pair, size: Pair) -> Tensor:
-    """Inverse layout of ``pool_blocks``: repeat each mean over its block, cropped to ``size``."""
+    """Inverse layout of ``pool_blocks``: repeat each mean over its block, cropped to ``size``.
+    Keeps a channels-last layout channels-last (mixed layouts slow the conv backward)."""
     n, c, h, w = pooled.shape
     kh, kw = kernel
+    if is_channels_last(pooled):
+        nhwc = pooled.permute(0, 2, 3, 1)
+        full = nhwc[:, :, None, :, None, :].expand(n, h, kh, w, kw, c).reshape(n, h * kh, w * kw, c)
+        return full[:, : size[0], : size[1]].permute(0, 3, 1, 2)
     full = pooled[:, :, :, None, :, None].expand(n, c, h, kh, w, kw).reshape(n, c, h * kh, w * kw)
     return full[:, :, : size[0], : size[1]]
+
+
+def is_channels_last(x: Tensor) -> bool:
+    return x.dim() == 4 and x.shape[1] > 1 and not x.is_contiguous() and x.is_contiguous(
+        memory_format=torch.channels_last)
 
 
 def pool_tokens(x: Tensor, k: int) -> Tensor:
@@ -89,15 +115,118 @@ class PooledConv2dFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         weight, *packed = ctx.saved_tensors
-        stride, padding, dilation, groups = ctx.conv
         shape, dtype = ctx.x_meta
-        if packed:
-            x_hat = expand_blocks(unpack_tensor(packed, ctx.storage, dtype), ctx.kernel, shape[2:])
-        else:  # no weight gradient wanted: only the shape of the input matters
-            x_hat = grad_out.new_empty(()).expand(shape)
+        pooled = unpack_tensor(packed, ctx.storage, dtype) if packed else None
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
-        gx, gw, gb = conv_grads(grad_out, x_hat, weight, ctx.has_bias, stride, padding, dilation, groups, needs)
+        gx, gw, gb = pooled_conv_grads(grad_out, pooled, shape, weight, ctx.has_bias, *ctx.conv,
+                                       ctx.kernel, needs)
         return gx, gw, gb, None, None, None, None, None, None
+
+
+def pooled_conv_grads(grad_out, pooled, shape, weight, has_bias, stride, padding, dilation, groups,
+                      kernel, needs):
+    """(input, weight, bias) gradients of conv2d whose input (of ``shape``) is known only by its
+    k×k block means ``pooled`` (None when no weight gradient is wanted).
+
+    When the blocks tile the input and the conv stride divides k, the weight gradient is taken
+    on the pooled grid (``_block_weight_grad``): k²/stride² fewer multiply-adds than on the
+    expanded input and no full-size copy; otherwise the means are expanded first."""
+    gx = gw = gb = None
+    if needs[0]:
+        # The input gradient reads only the weight: any tensor of the input's shape will do.
+        like = torch.empty(shape, dtype=grad_out.dtype, device=grad_out.device,
+                           memory_format=_format_of(grad_out))
+        gx = conv_grads(grad_out, like, weight, False, stride, padding, dilation, groups,
+                        (True, False, False))[0]
+    if needs[1]:
+        if _block_grid_fits(shape, kernel, stride):
+            gw = _block_weight_grad(grad_out, pooled, shape, weight, stride, padding, dilation, groups, kernel)
+        else:
+            x_hat = expand_blocks(pooled, kernel, shape[2:])
+            gw = conv_grads(grad_out, x_hat, weight, False, stride, padding, dilation, groups,
+                            (False, True, False))[1]
+    if needs[2]:
+        gb = grad_out.sum((0, 2, 3))
+    return gx, gw, gb
+
+
+def _format_of(t: Tensor) -> torch.memory_format:
+    return torch.channels_last if is_channels_last(t) else torch.contiguous_format
+
+
+def _block_grid_fits(shape, kernel: Pair, stride: Pair) -> bool:
+    return all(size % k == 0 and k % s == 0 for size, k, s in zip(shape[2:], kernel, stride, strict=True))
+
+
+def _tap_classes(taps: int, k: int, s: int, d: int, pad: int) -> dict[int, list[tuple[int, int]]]:
+    """Along one axis: for each conv tap t, input row u = y*s + t*d - pad lies in block
+    floor((y + q) / m) with m = k/s and q = floor((t*d - pad) / s), i.e. in block
+    floor((y + c) / m) + beta with c = q mod m, beta = q // m. Taps with the same c read the same
+    per-block sums of the output gradient, shifted by whole blocks: {c: [(tap, beta), ...]}."""
+    m = k // s
+    classes: dict[int, list[tuple[int, int]]] = {}
+    for t in range(taps):
+        q = (t * d - pad) // s
+        classes.setdefault(q % m, []).append((t, q // m))
+    return classes
+
+
+def _block_weight_grad(grad_out, pooled, shape, weight, stride, padding, dilation, groups, kernel):
+    """Weight gradient of conv2d on the block-constant input, computed on the pooled grid.
+
+    gw[o, i, th, tw] = sum over outputs of grad_out * x_hat at the tap's input position; x_hat is
+    constant on k×k blocks, so the outputs that read one block are summed first (a sum-pool of
+    grad_out over m = k/stride positions, shifted per tap class), then correlated with the
+    block means: a stride-1 conv weight gradient on the pooled grid. Blocks outside the input
+    (the conv's zero padding) are zero-padded block means."""
+    n_out = weight.shape[0]
+    hb, wb = shape[2] // kernel[0], shape[3] // kernel[1]
+    rows = _tap_classes(weight.shape[2], kernel[0], stride[0], dilation[0], padding[0])
+    cols = _tap_classes(weight.shape[3], kernel[1], stride[1], dilation[1], padding[1])
+    mh, mw = kernel[0] // stride[0], kernel[1] // stride[1]
+    gw = torch.zeros_like(weight)
+    row_sums = {ch: _block_sums(grad_out, ch, mh, dim=2) for ch in rows}
+    for ch, row_taps in rows.items():
+        for cw, col_taps in cols.items():
+            g = _block_sums(row_sums[ch], cw, mw, dim=3)
+            bh = [b for _, b in row_taps]
+            bw = [b for _, b in col_taps]
+            kh, kw = max(bh) - min(bh) + 1, max(bw) - min(bw) + 1
+            # p[j] = pooled[j + min(beta)], zero outside, long enough for a valid correlation
+            top, left = -min(bh), -min(bw)
+            bottom = g.shape[2] + kh - 1 - hb - top
+            right = g.shape[3] + kw - 1 - wb - left
+            p = F.pad(pooled, (left, right, top, bottom))
+            sub = torch.ops.aten.convolution_backward(
+                g, p, weight.new_empty(()).expand(n_out, weight.shape[1], kh, kw), None,
+                (1, 1), (0, 0), (1, 1), False, [0, 0], groups, [False, True, False])[1]
+            for th, b_h in row_taps:
+                for tw, b_w in col_taps:
+                    gw[:, :, th, tw] = sub[:, :, b_h + top, b_w + left]
+    return gw
+
+
+def _block_sums(g: Tensor, c: int, m: int, dim: int) -> Tensor:
+    """out[b] = sum_j g[b*m + j - c] over j < m (entries outside g count as zero) along ``dim``
+    (2 or 3): block sums after ``c`` leading zeros, built from strided slices of g (no padded
+    full-size copy)."""
+    if m == 1 and c == 0:
+        return g
+    size = g.shape[dim]
+    blocks = -(-(size + c) // m)
+    out_shape = list(g.shape)
+    out_shape[dim] = blocks
+    out = torch.empty(out_shape, dtype=g.dtype, device=g.device, memory_format=_format_of(g)).zero_()
+    for j in range(m):
+        shift = j - c  # out[b] reads g[b*m + shift]
+        lo = -(shift // m) if shift < 0 else 0  # first b with b*m + shift >= 0
+        hi = (size - 1 - shift) // m  # last b with b*m + shift < size
+        if hi < lo:
+            continue
+        src = g.narrow(dim, lo * m + shift, (hi - lo) * m + 1)
+        src = src[(slice(None),) * dim + (slice(None, None, m),)]
+        out.narrow(dim, lo, hi - lo + 1).add_(src)
+    return out
 
 
 def conv_grads(grad_out, x_hat, weight, has_bias, stride, padding, dilation, groups, needs):
@@ -182,14 +311,25 @@ class MaskedActivationFunction(torch.autograd.Function):
         else:
             y = torch.clamp(x, lo, hi) if hi is not None else torch.relu(x)
         passed = (y > lo) if hi is None else (y > lo) & (y < hi)
+        # Pack in memory order: a channels-last mask is packed as NHWC, with no layout copy.
+        ctx.channels_last = is_channels_last(passed)
+        if ctx.channels_last:
+            passed = passed.permute(0, 2, 3, 1)
         ctx.save_for_backward(pack_bits(passed))
-        ctx.shape = y.shape
+        ctx.shape = passed.shape
         return y
 
     @staticmethod
     def backward(ctx, grad):
         (packed,) = ctx.saved_tensors
-        return torch.where(unpack_bits(packed, ctx.shape), grad, 0.0), None, None, None
+        mask = unpack_bits(packed, ctx.shape)
+        if ctx.channels_last:
+            mask = mask.permute(0, 3, 1, 2)
+            # the product takes grad's layout; mixed layouts downstream (BatchNorm) are slow
+            grad = grad.contiguous(memory_format=torch.channels_last)
+        # grad * mask: 3-4x faster than torch.where on CPU (channels-last); equal values except
+        # that non-finite grads at masked positions give NaN instead of 0 (and 0 may be -0.0).
+        return grad * mask, None, None, None
 
 
 class CompactMaxPool2dFunction(torch.autograd.Function):
