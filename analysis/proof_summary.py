@@ -1,0 +1,284 @@
+"""Summary of analysis/proof.py runs: accuracy table (mean ± std over seeds), gap recovery with
+a Welch t-test, accuracy and curve plots, and how the layers' sensitivity ranking changes over
+training. Writes ``<out>/summary.md``, ``summary.json``, ``accuracy.png``, ``curves.png``,
+``ranking.png``.
+
+    python analysis/proof_summary.py docs/results/proof
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+CONFIGS = [("stock", "stock (no compression)"), ("pool2", "uniform 2x2"),
+           ("greedy", "greedy sensitivity map"), ("adaptive", "adaptive schedule"),
+           ("optuna", "Optuna accuracy-search map")]
+
+
+def load_runs(out: Path) -> dict[str, list[dict]]:
+    runs: dict[str, list[dict]] = {}
+    for name, _ in CONFIGS:
+        for path in sorted((out / "runs" / name).glob("seed*/metrics.json")):
+            runs.setdefault(name, []).append(json.loads(path.read_text()))
+    return runs
+
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else float("nan"))
+
+
+def welch(a: list[float], b: list[float]) -> tuple[float, float]:
+    """(t, two-sided p) of mean(a) - mean(b), Welch's unequal-variance t-test."""
+    from scipy import stats  # optional; only for the p-value
+
+    res = stats.ttest_ind(a, b, equal_var=False)
+    return float(res.statistic), float(res.pvalue)
+
+
+def _welch_safe(a, b) -> tuple[float, float]:
+    if len(a) < 2 or len(b) < 2:
+        return float("nan"), float("nan")
+    try:
+        return welch(a, b)
+    except ImportError:
+        va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+        t = (statistics.fmean(a) - statistics.fmean(b)) / math.sqrt(va + vb) if va + vb else float("inf")
+        return t, float("nan")
+
+
+def summarize(out: Path) -> dict:
+    out = Path(out)
+    runs = load_runs(out)
+    rows, top1 = [], {}
+    for name, label in CONFIGS:
+        rs = runs.get(name, [])
+        if not rs:
+            continue
+        t1 = [r["final_top1"] for r in rs]
+        top1[name] = t1
+        m, s = mean_std(t1)
+        ratio = statistics.fmean(r["ratio"] for r in rs)
+        rows.append({"config": name, "label": label, "seeds": [r["seed"] for r in rs], "n": len(rs),
+                     "top1_mean": m, "top1_std": s, "top1_each": t1,
+                     "best_top1_mean": statistics.fmean(r["best_top1"] for r in rs),
+                     "saved_bytes": statistics.fmean(r["saved_bytes"] for r in rs),
+                     "stock_saved_bytes": rs[0]["stock_saved_bytes"], "ratio": ratio,
+                     "epochs": rs[0]["epochs"], "train_time_s": statistics.fmean(r["train_time_s"] for r in rs)})
+    result: dict = {"rows": rows, "comparisons": {}}
+    if "stock" in top1 and "pool2" in top1:
+        gap = statistics.fmean(top1["stock"]) - statistics.fmean(top1["pool2"])
+        for name in ("greedy", "adaptive", "optuna"):
+            if name not in top1:
+                continue
+            gain = statistics.fmean(top1[name]) - statistics.fmean(top1["pool2"])
+            t, p = _welch_safe(top1[name], top1["pool2"])
+            result["comparisons"][name] = {
+                "gain_over_pool2": gain, "gap_stock_minus_pool2": gap,
+                "recovered_fraction": gain / gap if gap else float("nan"),
+                "welch_t": t, "p_value": p,
+                "meets_target": bool(gap > 0 and gain / gap >= 0.5 and not math.isnan(p) and p < 0.05),
+            }
+    result["ranking"] = ranking(out)
+    result["search"] = search_info(out)
+    result["adaptive_maps"] = adaptive_maps(out)
+    (out / "summary.json").write_text(json.dumps(result, indent=1))
+    plot_accuracy(rows, out / "accuracy.png")
+    plot_curves(runs, out / "curves.png")
+    plot_ranking(result["ranking"], out / "ranking.png")
+    (out / "summary.md").write_text(markdown(result, out))
+    print((out / "summary.md").read_text())
+    return result
+
+
+def ranking(out: Path, k: int = 2) -> dict:
+    """Per-layer weight-gradient cosine at kernel k for each measured epoch, the ranks (1 = most
+    robust), and Spearman's rho of each epoch's ranking against the first."""
+    epochs = {}
+    for path in sorted((out / "sensitivity").glob("epoch*/sensitivity.json"), key=lambda p: int(p.parent.name[5:])):
+        d = json.loads(path.read_text())
+        col = d["kernels"].index(k)
+        epochs[int(path.parent.name[5:])] = {"layers": d["layers"], "cosine": [row[col] for row in d["cosine_mean"]]}
+    if not epochs:
+        return {}
+    layers = next(iter(epochs.values()))["layers"]
+    ranks = {e: _ranks(v["cosine"]) for e, v in epochs.items()}
+    first = min(ranks)
+    rho = {e: _spearman(ranks[first], r) for e, r in ranks.items()}
+    return {"kernel": k, "layers": layers, "cosine": {e: v["cosine"] for e, v in epochs.items()},
+            "ranks": ranks, "spearman_vs_first": rho,
+            "spearman_vs_previous": {e: _spearman(ranks[p], ranks[e]) for p, e in zip(sorted(ranks), sorted(ranks)[1:], strict=False)}}
+
+
+def _ranks(values: list[float]) -> list[int]:
+    order = sorted(range(len(values)), key=lambda i: -values[i])
+    ranks = [0] * len(values)
+    for r, i in enumerate(order, 1):
+        ranks[i] = r
+    return ranks
+
+
+def _spearman(a: list[int], b: list[int]) -> float:
+    n = len(a)
+    d2 = sum((x - y) ** 2 for x, y in zip(a, b, strict=True))
+    return 1 - 6 * d2 / (n * (n * n - 1)) if n > 1 else float("nan")
+
+
+def search_info(out: Path) -> dict:
+    path = out / "search" / "summary.json"
+    if not path.is_file():
+        return {}
+    s = json.loads(path.read_text())
+    info = {k: s.get(k) for k in ("complete_trials", "pruned_trials", "pruner", "best_feasible", "seeds")}
+    best = s.get("best_feasible")
+    if best is not None:
+        cfg = out / "search" / "trials" / f"{best:04d}" / "compression.yaml"
+        info["best_map_file"] = str(cfg.relative_to(out)) if cfg.is_file() else None
+        import yaml
+
+        info["best_map"] = (yaml.safe_load(cfg.read_text()) or {}).get("map") if cfg.is_file() else None
+    return info
+
+
+def adaptive_maps(out: Path) -> dict:
+    maps = {}
+    for path in sorted((out / "runs" / "adaptive").glob("seed*/adaptive.jsonl")):
+        maps[path.parent.name] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return maps
+
+
+def plot_accuracy(rows: list[dict], path: Path) -> None:
+    if not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = range(len(rows))
+    ax.bar(xs, [100 * r["top1_mean"] for r in rows], yerr=[100 * (r["top1_std"] if r["n"] > 1 else 0) for r in rows],
+           color=["0.5", "tab:red", "tab:blue", "tab:green", "tab:purple"][: len(rows)], alpha=0.6, capsize=4)
+    for i, r in enumerate(rows):
+        ax.scatter([i] * r["n"], [100 * t for t in r["top1_each"]], color="k", s=12, zorder=3)
+        ax.annotate(f"{r['ratio']:.3f}x bytes", (i, 100 * r["top1_mean"]), xytext=(0, 8),
+                    textcoords="offset points", ha="center", fontsize=8)
+    lo = min(100 * min(r["top1_each"]) for r in rows)
+    ax.set_ylim(max(0, lo - 5), None)
+    ax.set_xticks(list(xs), [r["config"] for r in rows])
+    ax.set_ylabel("final val top-1 (%)")
+    ax.set_title(f"resnet20 / CIFAR-10, {rows[0]['epochs']} epochs, mean ± std over seeds (dots)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_curves(runs: dict[str, list[dict]], path: Path) -> None:
+    if not runs:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, rs in runs.items():
+        epochs = [h["epoch"] for h in rs[0]["history"]]
+        mean = [statistics.fmean(r["history"][i]["val_top1"] for r in rs if len(r["history"]) > i) for i in range(len(epochs))]
+        ax.plot(epochs, [100 * m for m in mean], "o-", label=f"{name} ({len(rs)} seeds)")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("val top-1 (%), mean over seeds")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_ranking(rank: dict, path: Path) -> None:
+    if not rank:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = sorted(rank["cosine"])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for i, layer in enumerate(rank["layers"]):
+        ys = [rank["cosine"][e][i] for e in epochs]
+        rs = [rank["ranks"][e][i] for e in epochs]
+        style = "--" if "downsample" in layer or layer.endswith("conv1") and "layer" not in layer else "-"
+        axes[0].plot(epochs, ys, style, marker="o", ms=3, label=layer)
+        axes[1].plot(epochs, rs, style, marker="o", ms=3)
+    axes[0].set_xlabel("epoch (0 = init)")
+    axes[0].set_ylabel(f"weight-grad cosine at {rank['kernel']}x{rank['kernel']}")
+    axes[1].set_xlabel("epoch (0 = init)")
+    axes[1].set_ylabel("rank (1 = most robust)")
+    axes[1].invert_yaxis()
+    axes[0].legend(fontsize=6, ncol=2)
+    rho = ", ".join(f"ep{e}: {rank['spearman_vs_first'][e]:.2f}" for e in epochs)
+    fig.suptitle(f"Layer sensitivity over training (stock resnet20, seed 0); Spearman vs init: {rho}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def markdown(result: dict, out: Path) -> str:
+    rows = result["rows"]
+    L = ["# Sensitivity-chosen maps vs uniform 2x2 on CIFAR-10 (resnet20, CPU)", "",
+         "Generated by `python analysis/proof_summary.py` from the runs of `analysis/proof.py` "
+         "(command and schedule below). Final val top-1 on the 10k test images; saved-bytes ratio: "
+         "saved-for-backward bytes of the compressed model / stock, batch 32 (measured per run).", "",
+         "| config | seeds | final top-1 (mean ± std) | per seed | best top-1 (mean) | saved-bytes ratio |",
+         "|---|---|---|---|---|---|"]
+    for r in rows:
+        std = f"{100 * r['top1_std']:.2f}" if r["n"] > 1 else "n/a"
+        L.append(f"| {r['label']} | {r['n']} | {100 * r['top1_mean']:.2f} ± {std} | "
+                 f"{', '.join(f'{100 * t:.2f}' for t in r['top1_each'])} | {100 * r['best_top1_mean']:.2f} | "
+                 f"{r['ratio']:.3f} |")
+    L += ["", "![accuracy](accuracy.png) ![curves](curves.png)", ""]
+    if result["comparisons"]:
+        L += ["Gap recovery: (map − uniform 2x2) / (stock − uniform 2x2), mean top-1; Welch t-test of "
+              "map vs uniform 2x2 over seeds. Target: ≥ 0.5 of the gap, beyond seed noise (p < 0.05).", "",
+              "| map | gain over 2x2 (points) | stock − 2x2 gap (points) | recovered | Welch t | p | target met |",
+              "|---|---|---|---|---|---|---|"]
+        for name, c in result["comparisons"].items():
+            L.append(f"| {name} | {100 * c['gain_over_pool2']:+.2f} | {100 * c['gap_stock_minus_pool2']:.2f} | "
+                     f"{c['recovered_fraction']:.2f} | {c['welch_t']:.2f} | {c['p_value']:.3f} | "
+                     f"{'yes' if c['meets_target'] else 'no'} |")
+        L.append("")
+    rank = result.get("ranking")
+    if rank:
+        L += ["## Layer ranking over training", "",
+              f"Weight-gradient cosine at {rank['kernel']}x{rank['kernel']} per conv layer of the stock seed-0 "
+              "model at init and after each epoch (`lessmem-sensitivity ... sensitivity.checkpoint=`), "
+              "4 fixed training batches of 128. Spearman's rho of the layer ranking vs init: "
+              + ", ".join(f"epoch {e}: {v:.2f}" for e, v in sorted(rank["spearman_vs_first"].items()))
+              + "; vs the previous epoch: "
+              + ", ".join(f"epoch {e}: {v:.2f}" for e, v in sorted(rank["spearman_vs_previous"].items())) + ".", "",
+              "![ranking](ranking.png)", ""]
+    s = result.get("search")
+    if s:
+        L += ["## Optuna accuracy search", "",
+              f"{s.get('complete_trials')} complete and {s.get('pruned_trials')} pruned trials "
+              f"({s.get('pruner')} pruner); best feasible trial: {s.get('best_feasible')}; map: "
+              f"`{json.dumps(s.get('best_map'))}`. Report: [search/pareto.md](search/pareto.md), "
+              "[search/trials.csv](search/trials.csv).", ""]
+    maps = result.get("adaptive_maps")
+    if maps:
+        first = next(iter(maps.values()))
+        L += ["## Adaptive schedule (seed 0)", "", "| epoch | conv-input bytes (of exact) | mean grad cosine | layers not at 1 |",
+              "|---|---|---|---|"]
+        for c in first:
+            L.append(f"| {c['epoch']} | {c['conv_input_bytes'] / max(1, c['conv_input_bytes_uncompressed']):.3f} | "
+                     f"{c['mean_grad_cosine']:.3f} | `{json.dumps(c['map'])}` |")
+        L.append("")
+    return "\n".join(L) + "\n"
+
+
+if __name__ == "__main__":
+    summarize(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/results/proof"))
