@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .ops import conv_grads, expand_blocks, expand_tokens, linear_grads
+from .ops import expand_tokens, linear_grads, pooled_conv_grads
 
 
 @torch.library.custom_op("lessmem::conv2d_keep_pooled", mutates_args=())
@@ -36,9 +36,10 @@ def _conv_setup(ctx, inputs, output):
 def _conv_backward(ctx, grad_out):
     weight, pooled = ctx.saved_tensors
     stride, padding, dilation, groups, kernel, shape, dtype, has_bias = ctx.conf
-    x_hat = expand_blocks(pooled.to(dtype), tuple(kernel), tuple(shape[2:]))
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[2], has_bias and ctx.needs_input_grad[3])
-    gx, gw, gb = conv_grads(grad_out, x_hat, weight, has_bias, stride, padding, dilation, groups, needs)
+    gx, gw, gb = pooled_conv_grads(grad_out, pooled.to(dtype), tuple(shape), weight, has_bias,
+                                   tuple(stride), tuple(padding), tuple(dilation), groups,
+                                   tuple(kernel), needs)
     return gx, None, gw, gb, None, None, None, None, None
 
 
