@@ -6,7 +6,7 @@ Runs (resumable: finished runs are skipped, interrupted ones resume from their c
   an accuracy-objective Optuna search (per-stage kernels, median pruning), for each seed;
   plus sensitivity tables of the stock seed-0 model at init and after every epoch.
 
-    python analysis/proof.py --out docs/results/proof --epochs 3 --seeds 0 1 2 --workers 2
+    python analysis/proof.py --out docs/results/proof --epochs 4 --train-subset 20000 --workers 2
     python analysis/proof.py --out docs/results/proof --summarize   # table + plots only
 
 Each run is its own process (``OMP_NUM_THREADS=--threads``); ``--workers`` run at a time.
@@ -95,6 +95,8 @@ def jobs_for(args: argparse.Namespace) -> list[Job]:
     out = args.out
     common = ["model=resnet20", "dataset=cifar10", "logger=csv", "device=cpu", f"epochs={args.epochs}",
               "batch_size=128", "channels_last=true", "memory_batch=32"]
+    if args.train_subset:
+        common.append(f"dataset.train_subset={args.train_subset}")
     greedy = out / "sensitivity" / "epoch1" / "greedy_map.yaml"
     jobs = [train_job(out, "stock", 0, ["compression=none"], common, keep=True),
             train_job(out, "pool2", 0, ["compression=pool2"], common)]
@@ -173,6 +175,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--search-trials", type=int, default=10)
+    p.add_argument("--train-subset", type=int, default=None,
+                   help="train on a balanced subset of N images (same for every run); test set stays whole")
     p.add_argument("--summarize", action="store_true", help="only write the summary from finished runs")
     args = p.parse_args()
     args.out = args.out.resolve()
