@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import triton_kernels
 from .storage import Storage, pack_tensor, unpack_tensor
 
 Pair = tuple[int, int]
@@ -307,6 +308,13 @@ class MaskedActivationFunction(torch.autograd.Function):
     def forward(ctx, x, lo, hi, inplace):
         if inplace:
             ctx.mark_dirty(x)
+        if triton_kernels.enabled_for(x):  # one fused pass: clamp + packed mask
+            ctx.channels_last = is_channels_last(x)
+            y, bits = triton_kernels.clamp_and_pack(x, lo, hi, out=x if inplace else None)
+            ctx.save_for_backward(bits)
+            ctx.shape, ctx.fused = None, True
+            return y
+        if inplace:
             y = torch.clamp_(x, lo, hi) if hi is not None else torch.relu_(x)
         else:
             y = torch.clamp(x, lo, hi) if hi is not None else torch.relu(x)
@@ -316,12 +324,14 @@ class MaskedActivationFunction(torch.autograd.Function):
         if ctx.channels_last:
             passed = passed.permute(0, 2, 3, 1)
         ctx.save_for_backward(pack_bits(passed))
-        ctx.shape = passed.shape
+        ctx.shape, ctx.fused = passed.shape, False
         return y
 
     @staticmethod
     def backward(ctx, grad):
         (packed,) = ctx.saved_tensors
+        if ctx.fused:
+            return triton_kernels.masked_grad(grad, packed, ctx.channels_last), None, None, None
         mask = unpack_bits(packed, ctx.shape)
         if ctx.channels_last:
             mask = mask.permute(0, 3, 1, 2)
