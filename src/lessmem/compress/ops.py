@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import triton_kernels
+from . import cpu_kernels, triton_kernels
 from .storage import Storage, pack_tensor, unpack_tensor
 
 Pair = tuple[int, int]
@@ -308,11 +308,18 @@ class MaskedActivationFunction(torch.autograd.Function):
     def forward(ctx, x, lo, hi, inplace):
         if inplace:
             ctx.mark_dirty(x)
-        if triton_kernels.enabled_for(x):  # one fused pass: clamp + packed mask
+        dense = x.is_contiguous() or is_channels_last(x)  # fused kernels walk memory order
+        if dense and triton_kernels.enabled_for(x):  # one fused pass: clamp + packed mask
             ctx.channels_last = is_channels_last(x)
             y, bits = triton_kernels.clamp_and_pack(x, lo, hi, out=x if inplace else None)
             ctx.save_for_backward(bits)
-            ctx.shape, ctx.fused = None, True
+            ctx.shape, ctx.fused = None, triton_kernels
+            return y
+        if dense and cpu_kernels.enabled_for(x):
+            ctx.channels_last = is_channels_last(x)
+            y, bits = cpu_kernels.clamp_and_pack(x, lo, hi, inplace)
+            ctx.save_for_backward(bits)
+            ctx.shape, ctx.fused = None, cpu_kernels
             return y
         if inplace:
             y = torch.clamp_(x, lo, hi) if hi is not None else torch.relu_(x)
@@ -324,14 +331,14 @@ class MaskedActivationFunction(torch.autograd.Function):
         if ctx.channels_last:
             passed = passed.permute(0, 2, 3, 1)
         ctx.save_for_backward(pack_bits(passed))
-        ctx.shape, ctx.fused = passed.shape, False
+        ctx.shape, ctx.fused = passed.shape, None
         return y
 
     @staticmethod
     def backward(ctx, grad):
         (packed,) = ctx.saved_tensors
-        if ctx.fused:
-            return triton_kernels.masked_grad(grad, packed, ctx.channels_last), None, None, None
+        if ctx.fused is not None:
+            return ctx.fused.masked_grad(grad, packed, ctx.channels_last), None, None, None
         mask = unpack_bits(packed, ctx.shape)
         if ctx.channels_last:
             mask = mask.permute(0, 3, 1, 2)
