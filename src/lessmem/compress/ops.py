@@ -6,6 +6,8 @@ Every tensor that backward needs goes through ``ctx.save_for_backward`` so that 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -159,6 +161,7 @@ def _block_grid_fits(shape, kernel: Pair, stride: Pair) -> bool:
     return all(size % k == 0 and k % s == 0 for size, k, s in zip(shape[2:], kernel, stride, strict=True))
 
 
+@functools.lru_cache(maxsize=512)
 def _tap_classes(taps: int, k: int, s: int, d: int, pad: int) -> dict[int, list[tuple[int, int]]]:
     """Along one axis: for each conv tap t, input row u = y*s + t*d - pad lies in block
     floor((y + q) / m) with m = k/s and q = floor((t*d - pad) / s), i.e. in block
