@@ -253,3 +253,20 @@ def test_adaptive_schedule_reassigns_kernels_within_budget(tmp_path: Path) -> No
     model = build_model("resnet20", num_classes=10)
     train_mod.compress_from_config(model, ckpt["adaptive_map"], make_cfg(out))
     assert {n: s.kernel[0] for n, s in lessmem.compressed_layers(model).items()} == changes[-1]["map"]
+
+
+@needs_cifar
+def test_channels_last_and_epoch_callback(straight: tuple[Path, dict], tmp_path: Path) -> None:
+    """NHWC training keeps the same saved bytes and trains as well (same loss to float noise);
+    on_epoch_end sees every epoch's record after its checkpoint."""
+    seen = []
+
+    def callback(epoch: int, record: dict) -> None:
+        assert (tmp_path / "checkpoint.pt").is_file()
+        seen.append((epoch, record["val_top1"]))
+
+    m = run(make_cfg(tmp_path, "channels_last=true", "grad_cosine_every=2"), on_epoch_end=callback)
+    ref = straight[1]
+    assert [e for e, _ in seen] == [1, 2] and seen[-1][1] == m["final_top1"]
+    assert m["saved_bytes"] == ref["saved_bytes"]
+    assert m["history"][0]["train_loss"] == pytest.approx(ref["history"][0]["train_loss"], rel=1e-3)
