@@ -186,3 +186,12 @@ def test_bad_inputs_give_one_error_line(tmp_path: Path) -> None:
                 and expected in lines[0]):
             problems.append(f"{name}: rc={proc.returncode}, stderr={proc.stderr[-1500:]!r}")
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("argv", [["lessmem-sensitivity", "model=nope"], ["lessmem-coverage", "compression=nope"]])
+def test_other_entry_points_give_one_line_errors(argv: list[str]) -> None:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HYDRA_FULL_ERROR": ""})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"{argv[0]}: error:") and "nope" in lines[0]

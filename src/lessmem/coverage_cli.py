@@ -14,13 +14,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from lessmem.cli import one_line, user_errors
 from lessmem.coverage_report import coverage_for_config, save_report
 
 _DEFAULTS = {"batch": None, "out": None, "full_only": False}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from hydra.errors import HydraException
 
     from lessmem.config import compose_config
 
@@ -43,8 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = compose_config(hydra_args)
         report = coverage_for_config(cfg, int(opts["batch"]) if opts["batch"] else None)
-    except (ValueError, FileNotFoundError, KeyError, HydraException) as e:
-        print(f"lessmem-coverage: error: {e}", file=sys.stderr)
+    except (*user_errors(), KeyError) as e:  # bad config / file: one line, no traceback
+        print(f"lessmem-coverage: error: {one_line(e)}", file=sys.stderr)
         return 2
     print(report.table(full_only=str(opts["full_only"]).lower() == "true"))
     name = f"{cfg.model.name} / {cfg.compression.get('name', 'custom')}"

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from lessmem.checkpoint import load_checkpoint
+from lessmem.cli import one_line, user_errors
 from lessmem.config import compose_config
 from lessmem.data import fixed_batches
 from lessmem.models import build_model_from_cfg
@@ -99,8 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = compose_config(hydra_args)
         result, paths = run_from_config(cfg, opts)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        print(f"lessmem-sensitivity: error: {e}", file=sys.stderr)
+    except (*user_errors(), KeyError) as e:  # bad config / file: one line, no traceback
+        print(f"lessmem-sensitivity: error: {one_line(e)}", file=sys.stderr)
         return 2
     kmap = result.make_map(opts.get("budget"), opts.get("min_cosine"), opts.get("groups"))
     print(f"layers: {len(result.layers)}, batches: {result.n_batches}, kernels: {result.kernels}")
