@@ -207,19 +207,24 @@ def plot_ranking(rank: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     epochs = sorted(rank["cosine"])
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    colors = plt.get_cmap("tab20")
     for i, layer in enumerate(rank["layers"]):
         ys = [rank["cosine"][e][i] for e in epochs]
         rs = [rank["ranks"][e][i] for e in epochs]
-        style = "--" if "downsample" in layer or layer.endswith("conv1") and "layer" not in layer else "-"
-        axes[0].plot(epochs, ys, style, marker="o", ms=3, label=layer)
-        axes[1].plot(epochs, rs, style, marker="o", ms=3)
+        style = "--" if "downsample" in layer or "layer" not in layer else "-"
+        color = colors(i % 20)
+        axes[0].plot(epochs, ys, style, marker="o", ms=3, label=layer, color=color)
+        axes[1].plot(epochs, rs, style, marker="o", ms=3, color=color)
+    for ax in axes:
+        ax.set_xticks(epochs)
     axes[0].set_xlabel("epoch (0 = init)")
     axes[0].set_ylabel(f"weight-grad cosine at {rank['kernel']}x{rank['kernel']}")
     axes[1].set_xlabel("epoch (0 = init)")
     axes[1].set_ylabel("rank (1 = most robust)")
     axes[1].invert_yaxis()
-    axes[0].legend(fontsize=6, ncol=2)
+    axes[1].legend(*axes[0].get_legend_handles_labels(), fontsize=6, loc="center left",
+                   bbox_to_anchor=(1.01, 0.5))
     rho = ", ".join(f"ep{e}: {rank['spearman_vs_first'][e]:.2f}" for e in epochs)
     fig.suptitle(f"Layer sensitivity over training (stock resnet20, seed 0); Spearman vs init: {rho}", fontsize=9)
     fig.tight_layout()
