@@ -164,10 +164,21 @@ def search_section(results: Path, docs: Path) -> list[str]:
         lines += [f"![sensitivity]({rel(sens, docs)})", ""]
     if not found:
         lines += ["*No search summaries under docs/results/search_*/.*", ""]
-    lines += ["An accuracy-objective search (`sweeps/train_resnet20.yaml`, each trial trains resnet20) "
-              "has not been run to completion here; `python analysis/report.py outputs/search/train_resnet20` "
-              "renders it (reads `study.journal`) when it has.", ""]
+    lines += ["The accuracy-objective search on real data (each trial trains resnet20, median pruning) is "
+              "part of the proof runs below.", ""]
     return lines
+
+
+def proof_section(proof: Path, docs: Path) -> list[str]:
+    """The accuracy proof (analysis/proof.py): its summary.md, links made relative to docs/."""
+    md = proof / "summary.md"
+    if not md.is_file():
+        return ["*Not run yet: `python analysis/proof.py` then `python analysis/proof_summary.py`.*", ""]
+    prefix = rel(proof, docs)
+    text = md.read_text().split("\n", 1)[1]  # drop its title
+    for name in ("accuracy.png", "curves.png", "ranking.png", "search/pareto.md", "search/trials.csv"):
+        text = text.replace(f"({name})", f"({prefix}/{name})")
+    return [text.replace("\n## ", "\n### "), ""]
 
 
 def embed_table(md: Path, docs: Path) -> list[str]:
@@ -252,6 +263,9 @@ def build(args: argparse.Namespace) -> str:
         "## Layer sensitivity and map search (resnet18, CIFAR stem)",
         "",
         *search_section(results, docs),
+        "## Accuracy: sensitivity-chosen maps vs uniform 2×2 at the same bytes (resnet20, CIFAR-10)",
+        "",
+        *proof_section(results / "proof", docs),
         "## Vision transformers",
         "",
         "Baseline: the stock model (same batch). vit_b_16: batch 8, 224×224, random init "
@@ -281,7 +295,6 @@ def build(args: argparse.Namespace) -> str:
         "- CUDA peak memory (total, as the paper reports) for every row above: needs a GPU; "
         "`python benchmarks/memory.py` / `lessmem.train` record `cuda_peak_bytes` when run on CUDA.",
         "- ResNet18 accuracy with the paper's longer schedule (`experiment=paper_resnet18`).",
-        "- Accuracy-objective map search (`sweeps/train_resnet20.yaml`) to completion.",
     ]
     if any(not r.get("complete", True) for r in cifar_rows):
         L.append(f"- CIFAR-10 resnet20 runs (`{rel(Path(args.cifar).resolve(), REPO)}`) were still running when "
