@@ -177,11 +177,18 @@ def main() -> None:
     p.add_argument("--search-trials", type=int, default=10)
     p.add_argument("--train-subset", type=int, default=None,
                    help="train on a balanced subset of N images (same for every run); test set stays whole")
+    p.add_argument("--configs", nargs="+", default=["stock", "pool2", "greedy", "adaptive", "optuna"],
+                   help="train only these (e.g. more seeds of stock pool2 greedy); sensitivity and "
+                        "search jobs run when a chosen config needs them")
     p.add_argument("--summarize", action="store_true", help="only write the summary from finished runs")
     args = p.parse_args()
     args.out = args.out.resolve()
     if not args.summarize:
-        schedule(jobs_for(args), args.workers, args.threads, args.out)
+        jobs = [j for j in jobs_for(args)
+                if j.name.split("/")[0] in args.configs or j.name.startswith(("sensitivity", "search"))]
+        if "optuna" not in args.configs:
+            jobs = [j for j in jobs if j.name != "search"]
+        schedule(jobs, args.workers, args.threads, args.out)
     sys.path.insert(0, str(HERE))
     from proof_summary import summarize
 
