@@ -22,6 +22,8 @@ import warnings
 import torch
 from torch import Tensor
 
+from ._layout import flat_memory_order
+
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -153,32 +155,20 @@ def enabled_for(t: Tensor) -> bool:
     return _load() is not None
 
 
-def _flat(t: Tensor) -> Tensor:
-    if t.is_contiguous():
-        return t.view(-1)
-    return t.permute(0, 2, 3, 1).reshape(-1)  # channels-last (checked by the callers)
-
-
-def _dense(t: Tensor) -> Tensor:
-    if t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)):
-        return t
-    return t.contiguous()
-
-
 def clamp_and_pack(x: Tensor, lo: float, hi: float | None, inplace: bool = False) -> tuple[Tensor, Tensor]:
-    """(clamp(x, lo, hi), packed pass mask in x's memory order); in place on x if asked."""
-    if inplace and not (x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))):
-        inplace = False  # a strided view: write a fresh output instead
-    src = _dense(x)
-    y = src if inplace else torch.empty_like(src)
-    bits = _module.clamp_pack(_flat(src), _flat(y), float(lo), float(hi if hi is not None else 0.0), hi is not None)
+    """(clamp(x, lo, hi), packed pass mask in x's memory order); x dense (contiguous or
+    channels-last); written into x itself when ``inplace``."""
+    y = x if inplace else torch.empty_like(x)
+    bits = _module.clamp_pack(flat_memory_order(x), flat_memory_order(y), float(lo),
+                              float(hi if hi is not None else 0.0), hi is not None)
     return y, bits
 
 
 def masked_grad(grad: Tensor, bits: Tensor, channels_last: bool) -> Tensor:
+    """grad where the packed bit is set, else 0, in the activation's layout."""
     grad = grad.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     out = torch.empty_like(grad)
-    _module.masked_grad(_flat(grad), bits, _flat(out))
+    _module.masked_grad(flat_memory_order(grad), bits, flat_memory_order(out))
     return out
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import cpu_kernels, triton_kernels
+from ._layout import format_of, is_channels_last, is_dense
 from .storage import Storage, pack_tensor, unpack_tensor
 
 Pair = tuple[int, int]
@@ -55,11 +56,6 @@ def expand_blocks(pooled: Tensor, kernel: Pair, size: Pair) -> Tensor:
         return full[:, : size[0], : size[1]].permute(0, 3, 1, 2)
     full = pooled[:, :, :, None, :, None].expand(n, c, h, kh, w, kw).reshape(n, c, h * kh, w * kw)
     return full[:, :, : size[0], : size[1]]
-
-
-def is_channels_last(x: Tensor) -> bool:
-    return x.dim() == 4 and x.shape[1] > 1 and not x.is_contiguous() and x.is_contiguous(
-        memory_format=torch.channels_last)
 
 
 def pool_tokens(x: Tensor, k: int) -> Tensor:
@@ -138,30 +134,25 @@ def pooled_conv_grads(grad_out, pooled, shape, weight, has_bias, stride, padding
     if needs[1] and _block_grid_fits(shape, kernel, stride) and math.prod(shape) >= BLOCK_PATH_MIN_ELEMENTS:
         gx = None
         if needs[0]:
-            # The input gradient reads only the weight: any tensor of the input's shape will do.
-            like = torch.empty(shape, dtype=grad_out.dtype, device=grad_out.device,
-                               memory_format=_format_of(grad_out))
-            gx = conv_grads(grad_out, like, weight, False, stride, padding, dilation, groups,
-                            (True, False, False))[0]
+            gx = conv_grads(grad_out, _input_like(grad_out, shape), weight, False, stride, padding,
+                            dilation, groups, (True, False, False))[0]
         gw = _block_weight_grad(grad_out, pooled, shape, weight, stride, padding, dilation, groups, kernel)
         return gx, gw, grad_out.sum((0, 2, 3)) if needs[2] else None
     # Small inputs (per-op overhead dominates) and geometries the pooled grid cannot take:
     # expand the means and make one convolution_backward call for all three gradients.
-    if needs[1]:
-        x_hat = expand_blocks(pooled, kernel, shape[2:])
-    else:
-        x_hat = torch.empty(shape, dtype=grad_out.dtype, device=grad_out.device,
-                            memory_format=_format_of(grad_out))
+    x_hat = expand_blocks(pooled, kernel, shape[2:]) if needs[1] else _input_like(grad_out, shape)
     return conv_grads(grad_out, x_hat, weight, has_bias, stride, padding, dilation, groups, needs)
+
+
+def _input_like(grad_out: Tensor, shape) -> Tensor:
+    """An uninitialised stand-in for the conv input: the input gradient reads only the weight,
+    so any tensor of the input's shape (and grad_out's layout) will do."""
+    return torch.empty(shape, dtype=grad_out.dtype, device=grad_out.device, memory_format=format_of(grad_out))
 
 
 # Below this many input elements the pooled-grid weight gradient's extra small ops cost more
 # than its saved multiply-adds (measured on CPU: resnet18 at 64 px, batch 16).
 BLOCK_PATH_MIN_ELEMENTS = 1 << 19
-
-
-def _format_of(t: Tensor) -> torch.memory_format:
-    return torch.channels_last if is_channels_last(t) else torch.contiguous_format
 
 
 def _block_grid_fits(shape, kernel: Pair, stride: Pair) -> bool:
@@ -227,7 +218,7 @@ def _block_sums(g: Tensor, c: int, m: int, dim: int) -> Tensor:
     blocks = -(-(size + c) // m)
     out_shape = list(g.shape)
     out_shape[dim] = blocks
-    out = torch.empty(out_shape, dtype=g.dtype, device=g.device, memory_format=_format_of(g)).zero_()
+    out = torch.empty(out_shape, dtype=g.dtype, device=g.device, memory_format=format_of(g)).zero_()
     for j in range(m):
         shift = j - c  # out[b] reads g[b*m + shift]
         lo = -(shift // m) if shift < 0 else 0  # first b with b*m + shift >= 0
@@ -318,18 +309,14 @@ class MaskedActivationFunction(torch.autograd.Function):
     def forward(ctx, x, lo, hi, inplace):
         if inplace:
             ctx.mark_dirty(x)
-        dense = x.is_contiguous() or is_channels_last(x)  # fused kernels walk memory order
-        if dense and triton_kernels.enabled_for(x):  # one fused pass: clamp + packed mask
+        # One fused pass (clamp + packed mask): Triton on CUDA, C++ on CPU; they walk memory order.
+        fused = next((k for k in (triton_kernels, cpu_kernels) if k.enabled_for(x)), None) \
+            if is_dense(x) else None
+        if fused is not None:
             ctx.channels_last = is_channels_last(x)
-            y, bits = triton_kernels.clamp_and_pack(x, lo, hi, out=x if inplace else None)
+            y, bits = fused.clamp_and_pack(x, lo, hi, inplace)
             ctx.save_for_backward(bits)
-            ctx.shape, ctx.fused = None, triton_kernels
-            return y
-        if dense and cpu_kernels.enabled_for(x):
-            ctx.channels_last = is_channels_last(x)
-            y, bits = cpu_kernels.clamp_and_pack(x, lo, hi, inplace)
-            ctx.save_for_backward(bits)
-            ctx.shape, ctx.fused = None, cpu_kernels
+            ctx.shape, ctx.fused = None, fused
             return y
         if inplace:
             y = torch.clamp_(x, lo, hi) if hi is not None else torch.relu_(x)

@@ -4,7 +4,7 @@ The torch reference (``ops.pack_bits`` / ``ops.unpack_bits`` + a product) makes 
 passes over memory per activation; these kernels make one each way:
 
 - ``clamp_and_pack(x, lo, hi)``: y = clamp(x, lo, hi) and the packed pass mask, one read of x.
-- ``masked_grad(grad, packed, lo_only)``: grad where the bit is set, else 0, one read of grad.
+- ``masked_grad(grad, packed, channels_last)``: grad where the bit is set, else 0, one read of grad.
 
 Bit layout is that of ``ops.pack_bits`` (element i of each group of 8, in memory order, in bit
 i), so packed masks from either path are interchangeable. Used for CUDA tensors when Triton is
@@ -19,6 +19,8 @@ import os
 
 import torch
 from torch import Tensor
+
+from ._layout import flat_memory_order
 
 try:
     import triton
@@ -71,25 +73,15 @@ if triton is not None:
         tl.store(out_ptr + offs, tl.where(on, g, 0.0), mask=inside)
 
 
-def _flat(t: Tensor) -> Tensor:
-    """The tensor's elements in memory order (a view for contiguous / channels-last tensors)."""
-    if t.is_contiguous():
-        return t.view(-1)
-    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
-        return t.permute(0, 2, 3, 1).reshape(-1)
-    return t.contiguous().view(-1)
-
-
-def clamp_and_pack(x: Tensor, lo: float, hi: float | None, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(clamp(x, lo, hi), packed pass mask); ``out`` may be ``x`` itself (in place)."""
-    if not (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)):
-        x = x.contiguous()
-    y = torch.empty_like(x) if out is None else out
+def clamp_and_pack(x: Tensor, lo: float, hi: float | None, inplace: bool = False) -> tuple[Tensor, Tensor]:
+    """(clamp(x, lo, hi), packed pass mask in x's memory order); x dense (contiguous or
+    channels-last); written into x itself when ``inplace``."""
+    y = x if inplace else torch.empty_like(x)
     n = x.numel()
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device)
     grid = (triton.cdiv(bits.numel(), BLOCK_BYTES),)
-    _clamp_pack_kernel[grid](_flat(x), _flat(y), bits, n, float(lo), float(hi if hi is not None else 0.0),
-                             HAS_HI=hi is not None, BLOCK=BLOCK_BYTES)
+    _clamp_pack_kernel[grid](flat_memory_order(x), flat_memory_order(y), bits, n, float(lo),
+                             float(hi if hi is not None else 0.0), HAS_HI=hi is not None, BLOCK=BLOCK_BYTES)
     return y, bits
 
 
@@ -100,5 +92,5 @@ def masked_grad(grad: Tensor, bits: Tensor, channels_last: bool) -> Tensor:
     out = torch.empty_like(grad)
     n = grad.numel()
     grid = (triton.cdiv(bits.numel(), BLOCK_BYTES),)
-    _masked_grad_kernel[grid](_flat(grad), bits, _flat(out), n, BLOCK=BLOCK_BYTES)
+    _masked_grad_kernel[grid](flat_memory_order(grad), bits, flat_memory_order(out), n, BLOCK=BLOCK_BYTES)
     return out
