@@ -382,7 +382,7 @@ def test_block_grid_weight_grad_equals_expanded_input(size, channels_last, monke
     from lessmem.compress import ops
     from lessmem.compress.ops import conv_grads, expand_blocks, pool_blocks, pooled_conv_grads
 
-    monkeypatch.setattr(ops, "BLOCK_PATH_MIN_ELEMENTS", 0)  # tiny tensors take the block path too
+    monkeypatch.setattr(ops, "BLOCK_PATH_MIN_POSITIONS", 0)  # tiny tensors take the block path too
     torch.manual_seed(0)
     for k, s, kk, pad, d, g in [(2, 1, 3, 1, 1, 1), (2, 2, 3, 1, 1, 1), (4, 1, 3, 1, 1, 2),
                                 (4, 2, 1, 0, 1, 1), (2, 1, 5, 2, 2, 1), (2, 2, 2, 0, 1, 4),

@@ -6,9 +6,6 @@ Every tensor that backward needs goes through ``ctx.save_for_backward`` so that 
 
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -131,17 +128,20 @@ def pooled_conv_grads(grad_out, pooled, shape, weight, has_bias, stride, padding
     When the blocks tile the input and the conv stride divides k, the weight gradient is taken
     on the pooled grid (``_block_weight_grad``): k²/stride² fewer multiply-adds than on the
     expanded input and no full-size copy; otherwise the means are expanded first."""
-    if needs[1] and _block_grid_fits(shape, kernel, stride) and math.prod(shape) >= BLOCK_PATH_MIN_ELEMENTS:
-        gx = None
-        if needs[0]:
-            gx = conv_grads(grad_out, _input_like(grad_out, shape), weight, False, stride, padding,
-                            dilation, groups, (True, False, False))[0]
+    gw = None
+    positions = grad_out.numel() // max(1, grad_out.shape[1])  # n · output height · width
+    if needs[1] and _block_grid_fits(shape, kernel, stride) and positions >= BLOCK_PATH_MIN_POSITIONS:
         gw = _block_weight_grad(grad_out, pooled, shape, weight, stride, padding, dilation, groups, kernel)
-        return gx, gw, grad_out.sum((0, 2, 3)) if needs[2] else None
-    # Small inputs (per-op overhead dominates) and geometries the pooled grid cannot take:
-    # expand the means and make one convolution_backward call for all three gradients.
-    x_hat = expand_blocks(pooled, kernel, shape[2:]) if needs[1] else _input_like(grad_out, shape)
-    return conv_grads(grad_out, x_hat, weight, has_bias, stride, padding, dilation, groups, needs)
+    if gw is None:
+        # Small inputs (per-op overhead dominates) and geometries the pooled grid does not take:
+        # expand the means and make one convolution_backward call for all three gradients.
+        x_hat = expand_blocks(pooled, kernel, shape[2:]) if needs[1] else _input_like(grad_out, shape)
+        return conv_grads(grad_out, x_hat, weight, has_bias, stride, padding, dilation, groups, needs)
+    gx = None
+    if needs[0]:
+        gx = conv_grads(grad_out, _input_like(grad_out, shape), weight, False, stride, padding,
+                        dilation, groups, (True, False, False))[0]
+    return gx, gw, grad_out.sum((0, 2, 3)) if needs[2] else None
 
 
 def _input_like(grad_out: Tensor, shape) -> Tensor:
@@ -150,84 +150,100 @@ def _input_like(grad_out: Tensor, shape) -> Tensor:
     return torch.empty(shape, dtype=grad_out.dtype, device=grad_out.device, memory_format=format_of(grad_out))
 
 
-# Below this many input elements the pooled-grid weight gradient's extra small ops cost more
-# than its saved multiply-adds (measured on CPU: resnet18 at 64 px, batch 16).
-BLOCK_PATH_MIN_ELEMENTS = 1 << 19
+# The pooled-grid weight gradient saves multiply-adds in proportion to output positions × weight
+# size, and costs a few extra passes over the weight (gradient layout, tap gather): below this
+# many output positions the expanding path is faster (measured on CPU, resnet18 at 64 px).
+BLOCK_PATH_MIN_POSITIONS = 256
 
 
 def _block_grid_fits(shape, kernel: Pair, stride: Pair) -> bool:
     return all(size % k == 0 and k % s == 0 for size, k, s in zip(shape[2:], kernel, stride, strict=True))
 
 
-@functools.lru_cache(maxsize=512)
-def _tap_classes(taps: int, k: int, s: int, d: int, pad: int) -> dict[int, list[tuple[int, int]]]:
-    """Along one axis: for each conv tap t, input row u = y*s + t*d - pad lies in block
-    floor((y + q) / m) with m = k/s and q = floor((t*d - pad) / s), i.e. in block
-    floor((y + c) / m) + beta with c = q mod m, beta = q // m. Taps with the same c read the same
-    per-block sums of the output gradient, shifted by whole blocks: {c: [(tap, beta), ...]}."""
-    m = k // s
-    classes: dict[int, list[tuple[int, int]]] = {}
-    for t in range(taps):
-        q = (t * d - pad) // s
-        classes.setdefault(q % m, []).append((t, q // m))
-    return classes
-
-
 def _block_weight_grad(grad_out, pooled, shape, weight, stride, padding, dilation, groups, kernel):
-    """Weight gradient of conv2d on the block-constant input, computed on the pooled grid.
+    """Weight gradient of conv2d on the block-constant input, computed on the pooled grid, or
+    None where that would not pay (the caller then expands the block means).
 
-    gw[o, i, th, tw] = sum over outputs of grad_out * x_hat at the tap's input position; x_hat is
-    constant on k×k blocks, so the outputs that read one block are summed first (a sum-pool of
-    grad_out over m = k/stride positions, shifted per tap class), then correlated with the
-    block means: a stride-1 conv weight gradient on the pooled grid. Blocks outside the input
-    (the conv's zero padding) are zero-padded block means."""
-    n_out = weight.shape[0]
+    gw[o, i, th, tw] = sum over outputs of grad_out * x_hat at the tap's input position, and
+    x_hat is constant on k×k blocks. With m = k/stride > 1, per tap the m×m outputs that read
+    one block are summed first (a sum-pool of grad_out read at a per-tap offset), then one
+    batched matrix product over all taps with the block means: k²/stride² fewer multiply-adds
+    than the weight gradient on the expanded input and no full-size expanded copy. With m = 1
+    (stride = k) output and block grids coincide: one stride-1 conv weight gradient on the
+    pooled grid whose taps are the distinct block shifts. Blocks in the conv's zero padding
+    contribute nothing."""
+    n, o, ho, wo = grad_out.shape
+    opg, ipg, kh, kw = o // groups, weight.shape[1], weight.shape[2], weight.shape[3]
     hb, wb = shape[2] // kernel[0], shape[3] // kernel[1]
-    rows = _tap_classes(weight.shape[2], kernel[0], stride[0], dilation[0], padding[0])
-    cols = _tap_classes(weight.shape[3], kernel[1], stride[1], dilation[1], padding[1])
-    mh, mw = kernel[0] // stride[0], kernel[1] // stride[1]
-    gw = torch.zeros_like(weight)
-    row_sums = {ch: _block_sums(grad_out, ch, mh, dim=2) for ch in rows}
-    for ch, row_taps in rows.items():
-        for cw, col_taps in cols.items():
-            g = _block_sums(row_sums[ch], cw, mw, dim=3)
-            bh = [b for _, b in row_taps]
-            bw = [b for _, b in col_taps]
-            kh, kw = max(bh) - min(bh) + 1, max(bw) - min(bw) + 1
-            # p[j] = pooled[j + min(beta)], zero outside, long enough for a valid correlation
-            top, left = -min(bh), -min(bw)
-            bottom = g.shape[2] + kh - 1 - hb - top
-            right = g.shape[3] + kw - 1 - wb - left
-            p = F.pad(pooled, (left, right, top, bottom))
-            sub = torch.ops.aten.convolution_backward(
-                g, p, weight.new_empty(()).expand(n_out, weight.shape[1], kh, kw), None,
-                (1, 1), (0, 0), (1, 1), False, [0, 0], groups, [False, True, False])[1]
-            for th, b_h in row_taps:
-                for tw, b_w in col_taps:
-                    gw[:, :, th, tw] = sub[:, :, b_h + top, b_w + left]
-    return gw
+    rows, (fh, bh), mh = _tap_reads(kh, kernel[0], stride[0], dilation[0], padding[0], ho, hb)
+    cols, (fw, bw), mw = _tap_reads(kw, kernel[1], stride[1], dilation[1], padding[1], wo, wb)
+    if mh == mw == 1:
+        return _weight_grad_block_shifts(grad_out, pooled, weight, groups, rows, cols, fh, fw)
+    # Distinct read offsets per axis (taps can share one when stride > 1).
+    r0, c0 = min(rows), min(cols)
+    sh, sw = max(rows) - r0 + 1, max(cols) - c0 + 1
+    if sh * sw > 3 * mh * mw:  # the gradient sums per offset would outweigh the gradient itself
+        return None
+    g = F.pad(grad_out, (fw, bw, fh, bh)) if fh or bh or fw or bw else grad_out
+    g = sum_windows(sum_windows(g, mh, 2), mw, 3)  # g[.., r, c]: sum of the m×m window at (r, c)
+    # win[n, o, b, b', j, j'] = g[n, o, b·mh + r0 + j, b'·mw + c0 + j']: per read offset (j, j'),
+    # the gradient sums that meet block (b, b')
+    win = g[:, :, r0:, c0:].unfold(2, sh, mh)[:, :, :hb].unfold(3, sw, mw)[:, :, :, :wb]
+    offsets, blocks = sh * sw, n * hb * wb
+    means = pooled.permute(0, 2, 3, 1).reshape(blocks, groups * ipg)
+    # one matrix product for all offsets, the operand copied in the order its source is laid out
+    if groups > 1:
+        sums = win.permute(4, 5, 0, 2, 3, 1).reshape(offsets, blocks, groups, opg)
+        per_offset = torch.einsum("sngo,ngi->sgoi", sums, means.view(blocks, groups, ipg))
+    elif is_channels_last(g):
+        per_offset = win.permute(0, 2, 3, 4, 5, 1).reshape(blocks, offsets * o).t() @ means
+    else:
+        per_offset = win.permute(4, 5, 1, 0, 2, 3).reshape(offsets * o, blocks) @ means
+    taps = [(r - r0) * sw + c - c0 for r in rows for c in cols]
+    gw = per_offset.reshape(offsets, o * ipg).index_select(0, torch.tensor(taps, device=g.device))
+    return gw.view(kh, kw, o, ipg).permute(2, 3, 0, 1).contiguous(memory_format=format_of(weight))
 
 
-def _block_sums(g: Tensor, c: int, m: int, dim: int) -> Tensor:
-    """out[b] = sum_j g[b*m + j - c] over j < m (entries outside g count as zero) along ``dim``
-    (2 or 3): block sums after ``c`` leading zeros, built from strided slices of g (no padded
-    full-size copy)."""
-    if m == 1 and c == 0:
-        return g
-    size = g.shape[dim]
-    blocks = -(-(size + c) // m)
-    out_shape = list(g.shape)
-    out_shape[dim] = blocks
-    out = torch.empty(out_shape, dtype=g.dtype, device=g.device, memory_format=format_of(g)).zero_()
-    for j in range(m):
-        shift = j - c  # out[b] reads g[b*m + shift]
-        lo = -(shift // m) if shift < 0 else 0  # first b with b*m + shift >= 0
-        hi = (size - 1 - shift) // m  # last b with b*m + shift < size
-        if hi < lo:
-            continue
-        src = g.narrow(dim, lo * m + shift, (hi - lo) * m + 1)
-        src = src[(slice(None),) * dim + (slice(None, None, m),)]
-        out.narrow(dim, lo, hi - lo + 1).add_(src)
+def _weight_grad_block_shifts(grad_out, pooled, weight, groups, rows, cols, fh, fw):
+    """m = 1: tap t meets block y + q_t at output y (q_t = front - start_t), so the taps'
+    gradients are a stride-1 conv weight gradient of grad_out against the zero-padded block
+    means over the distinct shifts q, gathered per tap."""
+    qh, qw = [fh - r for r in rows], [fw - c for c in cols]
+    top, left = -min(qh), -min(qw)
+    kh, kw = max(qh) + top + 1, max(qw) + left + 1
+    ho, wo = grad_out.shape[2:]
+    p = F.pad(pooled, (left, wo + kw - 1 - pooled.shape[3] - left, top, ho + kh - 1 - pooled.shape[2] - top))
+    sub = torch.ops.aten.convolution_backward(
+        grad_out, p, weight.new_empty(()).expand(weight.shape[0], weight.shape[1], kh, kw), None,
+        (1, 1), (0, 0), (1, 1), False, [0, 0], groups, [False, True, False])[1]
+    taps = [(q_h + top) * kw + q_w + left for q_h in qh for q_w in qw]
+    if taps == list(range(kh * kw)):
+        return sub
+    # one index_select over the flattened taps: far faster than 2-d advanced indexing on CPU
+    return sub.reshape(-1, kh * kw).index_select(1, torch.tensor(taps, device=sub.device)).view(
+        sub.shape[0], sub.shape[1], len(qh), len(qw))
+
+
+def _tap_reads(taps: int, k: int, s: int, d: int, pad: int, size_out: int, blocks: int):
+    """Along one axis, with m = k/s: tap t reads, for output y, input row y*s + t*d - pad, which
+    lies in block b exactly for the m outputs y = b*m - q_t + j (j < m), q_t = floor((t*d -
+    pad) / s). So with the output gradient zero-padded by (front, back) and summed over windows
+    of m, tap t's sum for block b sits at row b*m + start_t. Returns ([start_t], (front, back), m)."""
+    m = k // s
+    q = [(t * d - pad) // s for t in range(taps)]
+    front = max(0, *q)
+    back = max(0, blocks * m - min(q) - size_out)
+    return [front - qt for qt in q], (front, back), m
+
+
+def sum_windows(x: Tensor, m: int, dim: int) -> Tensor:
+    """Sums of every ``m`` consecutive entries along ``dim`` (stride 1: size - m + 1 of them)."""
+    if m == 1:
+        return x
+    size = x.shape[dim] - m + 1
+    out = x.narrow(dim, 0, size) + x.narrow(dim, 1, size)
+    for j in range(2, m):
+        out += x.narrow(dim, j, size)
     return out
 
 
