@@ -1,8 +1,11 @@
-"""Compressed conv / linear as ``torch.library`` custom ops, used when ``torch.compile`` traces
-the model. Each op takes the input *and* its pooled copy and keeps only the pooled copy (and the
-weight) for backward; being opaque to the compiler, it cannot be made to keep the full input.
-Pooling itself stays an ordinary aten op outside, so the compiler shares one pooled copy between
-layers that read the same input (ResNet's conv1 and downsample), as eager mode does."""
+"""The compressed layers as ``torch.library`` custom ops, used when ``torch.compile`` traces the
+model. Each conv / linear op takes the input *and* its pooled copy and keeps only the pooled copy
+(and the weight) for backward; being opaque to the compiler, it cannot be made to keep the full
+input. Pooling and the activation masks are custom ops too, running the same kernels as eager
+mode: as plain aten ops the partitioner would recompute them in backward from the BatchNorm
+inputs it keeps (less memory, but a recomputed BatchNorm + ReLU + pooling per layer, 1.3x the
+compiled stock step). A pooled copy is still one graph value, so layers that read the same input
+(ResNet's conv1 and downsample) share it, as in eager mode."""
 
 from __future__ import annotations
 
@@ -10,7 +13,72 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .ops import expand_tokens, linear_grads, pooled_conv_grads
+from . import cpu_kernels, triton_kernels
+from ._layout import format_of
+from .ops import expand_tokens, linear_grads, pack_bits, pool_blocks, pooled_conv_grads, unpack_bits
+from .storage import pack_tensor
+
+
+@torch.library.custom_op("lessmem::pool_blocks", mutates_args=())
+def pool_blocks_op(x: Tensor, kernel: list[int], storage: str) -> Tensor:
+    """k×k block means of ``x`` in its storage dtype (native or bf16)."""
+    return pack_tensor(pool_blocks(x, tuple(kernel)), storage)[0].contiguous(memory_format=format_of(x))
+
+
+@pool_blocks_op.register_fake
+def _(x, kernel, storage):
+    n, c, h, w = x.shape
+    dtype = torch.bfloat16 if storage == "bf16" else x.dtype
+    return x.new_empty((n, c, -(-h // kernel[0]), -(-w // kernel[1])), dtype=dtype).contiguous(
+        memory_format=format_of(x))
+
+
+@torch.library.custom_op("lessmem::clamp_mask", mutates_args=())
+def clamp_mask(x: Tensor, lo: float, hi: float | None) -> tuple[Tensor, Tensor]:
+    """(clamp(x, lo, hi), its pass mask packed 8 flags per byte in memory order)."""
+    x = x.contiguous(memory_format=format_of(x))
+    fused = next((k for k in (triton_kernels, cpu_kernels) if k.enabled_for(x)), None)
+    if fused is not None:
+        return fused.clamp_and_pack(x, lo, hi)
+    y = torch.clamp(x, lo, hi)
+    passed = (y > lo) if hi is None else (y > lo) & (y < hi)
+    return y, pack_bits(passed.permute(0, 2, 3, 1) if format_of(x) == torch.channels_last else passed)
+
+
+@clamp_mask.register_fake
+def _(x, lo, hi):
+    return torch.empty_like(x, memory_format=format_of(x)), x.new_empty(((x.numel() + 7) // 8,), dtype=torch.uint8)
+
+
+@torch.library.custom_op("lessmem::masked_grad", mutates_args=())
+def masked_grad(grad: Tensor, bits: Tensor, channels_last: bool) -> Tensor:
+    """``grad`` where the packed pass bit is set, else 0 (in the activation's layout)."""
+    fused = next((k for k in (triton_kernels, cpu_kernels) if k.enabled_for(grad)), None)
+    if fused is not None:
+        return fused.masked_grad(grad, bits, channels_last)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    grad = grad.contiguous(memory_format=fmt)
+    shape = grad.permute(0, 2, 3, 1).shape if channels_last else grad.shape
+    mask = unpack_bits(bits, shape)
+    return grad * (mask.permute(0, 3, 1, 2) if channels_last else mask)
+
+
+@masked_grad.register_fake
+def _(grad, bits, channels_last):
+    return torch.empty_like(grad, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+def _clamp_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+    ctx.channels_last = format_of(output[0]) == torch.channels_last
+
+
+def _clamp_backward(ctx, grad_y, grad_bits):
+    (bits,) = ctx.saved_tensors
+    return torch.ops.lessmem.masked_grad(grad_y, bits, ctx.channels_last), None, None
+
+
+clamp_mask.register_autograd(_clamp_backward, setup_context=_clamp_setup)
 
 
 @torch.library.custom_op("lessmem::conv2d_keep_pooled", mutates_args=())

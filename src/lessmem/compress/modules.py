@@ -18,7 +18,6 @@ from .ops import (
     PooledConv2dFunction,
     PooledLinearFunction,
     StoredBatchNormFunction,
-    pool_blocks,
     pool_tokens,
 )
 from .storage import Storage, pack_tensor
@@ -93,7 +92,7 @@ class CompressedConv2d(nn.Conv2d):
             if spec.storage == "int8":
                 _warn_eager(self, "int8 storage")
                 return _eager_conv(*args)
-            pooled = pack_tensor(pool_blocks(x.detach(), spec.kernel), spec.storage)[0]
+            pooled = torch.ops.lessmem.pool_blocks(x.detach(), list(spec.kernel), spec.storage)
             return torch.ops.lessmem.conv2d_keep_pooled(
                 x, pooled, w, b, list(self.stride), list(padding), list(self.dilation), self.groups,
                 list(spec.kernel),
@@ -134,10 +133,12 @@ class CompressedLinear(nn.Linear):
             return PooledLinearFunction.apply(x, w, b, k, storage)
 
 
-def _inplace(module: nn.Module) -> bool:
-    # In-place changes nothing in a compiled (functionalized) graph, and the compiler cannot
-    # trace a custom Function that marks its input dirty.
-    return module.inplace and not torch.compiler.is_compiling()
+def _masked_activation(x: Tensor, lo: float, hi: float | None, inplace: bool) -> Tensor:
+    if torch.compiler.is_compiling() and x.dim() == 4:
+        # In-place changes nothing in a compiled (functionalized) graph; the custom op keeps the
+        # partitioner from recomputing the mask (and the BatchNorm before it) in backward.
+        return torch.ops.lessmem.clamp_mask(x, lo, hi)[0]
+    return MaskedActivationFunction.apply(x, lo, hi, inplace and not torch.compiler.is_compiling())
 
 
 class PackedReLU(nn.ReLU):
@@ -146,7 +147,7 @@ class PackedReLU(nn.ReLU):
     def forward(self, x: Tensor) -> Tensor:
         if not _needs_saving(x, self):
             return super().forward(x)
-        return MaskedActivationFunction.apply(x, 0.0, None, _inplace(self))
+        return _masked_activation(x, 0.0, None, self.inplace)
 
 
 class PackedHardtanh(nn.Hardtanh):
@@ -155,7 +156,7 @@ class PackedHardtanh(nn.Hardtanh):
     def forward(self, x: Tensor) -> Tensor:
         if not _needs_saving(x, self):
             return super().forward(x)
-        return MaskedActivationFunction.apply(x, self.min_val, self.max_val, _inplace(self))
+        return _masked_activation(x, self.min_val, self.max_val, self.inplace)
 
 
 class PackedReLU6(nn.ReLU6, PackedHardtanh):
