@@ -81,3 +81,29 @@ def test_compiled_linear_tokens(storage):
     compiled = grads_of(torch.compile(model, fullgraph=True), model, x)
     for name, g in eager.items():
         torch.testing.assert_close(compiled[name], g, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", ["1", "0"])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_pooling_and_mask_custom_ops(fused, channels_last, monkeypatch):
+    """The ops the compiled graph calls: fake kernels agree with the real ones (opcheck), and the
+    mask ops give ReLU / Hardtanh values and gradients, with and without the fused kernels."""
+    from lessmem.compress import custom_ops  # noqa: F401  (registers the ops)
+
+    monkeypatch.setenv("LESSMEM_CPU_KERNELS", fused)
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 6)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    g = torch.randn_like(x)
+    torch.library.opcheck(torch.ops.lessmem.pool_blocks.default, (x, [2, 2], "native"))
+    torch.library.opcheck(torch.ops.lessmem.pool_blocks.default, (x, [4, 4], "bf16"))
+    for lo, hi, ref in [(0.0, None, torch.relu), (-0.5, 0.5, lambda t: torch.clamp(t, -0.5, 0.5))]:
+        torch.library.opcheck(torch.ops.lessmem.clamp_mask.default, (x, lo, hi))
+        xx = x.clone().requires_grad_(True)
+        y, bits = torch.ops.lessmem.clamp_mask(xx, lo, hi)
+        y.backward(g)
+        x_ref = x.clone().requires_grad_(True)
+        ref(x_ref).backward(g)
+        assert torch.equal(y, ref(x)) and torch.equal(xx.grad, x_ref.grad)
+        torch.library.opcheck(torch.ops.lessmem.masked_grad.default, (g, bits, channels_last))
