@@ -13,9 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import cpu_kernels, triton_kernels
 from ._layout import format_of
-from .ops import expand_tokens, linear_grads, pack_bits, pool_blocks, pooled_conv_grads, unpack_bits
+from .ops import (
+    clamp_and_pack,
+    expand_tokens,
+    linear_grads,
+    masked_grad,
+    pool_blocks,
+    pooled_conv_grads,
+)
 from .storage import pack_tensor
 
 
@@ -34,38 +40,29 @@ def _(x, kernel, storage):
 
 
 @torch.library.custom_op("lessmem::clamp_mask", mutates_args=())
-def clamp_mask(x: Tensor, lo: float, hi: float | None) -> tuple[Tensor, Tensor]:
+def clamp_mask_op(x: Tensor, lo: float, hi: float | None) -> tuple[Tensor, Tensor]:
     """(clamp(x, lo, hi), its pass mask packed 8 flags per byte in memory order)."""
-    x = x.contiguous(memory_format=format_of(x))
-    fused = next((k for k in (triton_kernels, cpu_kernels) if k.enabled_for(x)), None)
-    if fused is not None:
-        return fused.clamp_and_pack(x, lo, hi)
-    y = torch.clamp(x, lo, hi)
-    passed = (y > lo) if hi is None else (y > lo) & (y < hi)
-    return y, pack_bits(passed.permute(0, 2, 3, 1) if format_of(x) == torch.channels_last else passed)
+    return clamp_and_pack(x.contiguous(memory_format=format_of(x)), lo, hi)[:2]
 
 
-@clamp_mask.register_fake
+@clamp_mask_op.register_fake
 def _(x, lo, hi):
     return torch.empty_like(x, memory_format=format_of(x)), x.new_empty(((x.numel() + 7) // 8,), dtype=torch.uint8)
 
 
+def _mask_format(channels_last: bool) -> torch.memory_format:
+    return torch.channels_last if channels_last else torch.contiguous_format
+
+
 @torch.library.custom_op("lessmem::masked_grad", mutates_args=())
-def masked_grad(grad: Tensor, bits: Tensor, channels_last: bool) -> Tensor:
+def masked_grad_op(grad: Tensor, bits: Tensor, channels_last: bool) -> Tensor:
     """``grad`` where the packed pass bit is set, else 0 (in the activation's layout)."""
-    fused = next((k for k in (triton_kernels, cpu_kernels) if k.enabled_for(grad)), None)
-    if fused is not None:
-        return fused.masked_grad(grad, bits, channels_last)
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    grad = grad.contiguous(memory_format=fmt)
-    shape = grad.permute(0, 2, 3, 1).shape if channels_last else grad.shape
-    mask = unpack_bits(bits, shape)
-    return grad * (mask.permute(0, 3, 1, 2) if channels_last else mask)
+    return masked_grad(grad.contiguous(memory_format=_mask_format(channels_last)), bits, channels_last)
 
 
-@masked_grad.register_fake
+@masked_grad_op.register_fake
 def _(grad, bits, channels_last):
-    return torch.empty_like(grad, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    return torch.empty_like(grad, memory_format=_mask_format(channels_last))
 
 
 def _clamp_setup(ctx, inputs, output):
@@ -78,7 +75,7 @@ def _clamp_backward(ctx, grad_y, grad_bits):
     return torch.ops.lessmem.masked_grad(grad_y, bits, ctx.channels_last), None, None
 
 
-clamp_mask.register_autograd(_clamp_backward, setup_context=_clamp_setup)
+clamp_mask_op.register_autograd(_clamp_backward, setup_context=_clamp_setup)
 
 
 @torch.library.custom_op("lessmem::conv2d_keep_pooled", mutates_args=())

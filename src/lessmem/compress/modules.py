@@ -134,11 +134,14 @@ class CompressedLinear(nn.Linear):
 
 
 def _masked_activation(x: Tensor, lo: float, hi: float | None, inplace: bool) -> Tensor:
-    if torch.compiler.is_compiling() and x.dim() == 4:
-        # In-place changes nothing in a compiled (functionalized) graph; the custom op keeps the
-        # partitioner from recomputing the mask (and the BatchNorm before it) in backward.
+    if not torch.compiler.is_compiling():
+        return MaskedActivationFunction.apply(x, lo, hi, inplace)
+    # In-place changes nothing in a compiled (functionalized) graph, and the compiler cannot trace
+    # a Function that marks its input dirty. The custom op keeps the partitioner from recomputing
+    # the mask (and the BatchNorm before it) in backward.
+    if x.dim() == 4:
         return torch.ops.lessmem.clamp_mask(x, lo, hi)[0]
-    return MaskedActivationFunction.apply(x, lo, hi, inplace and not torch.compiler.is_compiling())
+    return MaskedActivationFunction.apply(x, lo, hi, False)
 
 
 class PackedReLU(nn.ReLU):
