@@ -4,6 +4,7 @@ definition of the paper computed independently here."""
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 
 import pytest
@@ -269,6 +270,41 @@ def test_packed_relu_and_compact_maxpool_are_exact():
         assert torch.equal(cx.grad, stock_x.grad), layer
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["cpu-kernel", "torch-reference"])
+def test_compact_maxpool_matches_stock_on_hard_inputs(fused, monkeypatch):
+    """Max-pooling with uint8 window positions against stock, values and gradients bit for bit:
+    ties (integer inputs: the first maximum wins), NaN (it wins), all -inf windows, padding,
+    dilation, ceil_mode, strides 1-3, rows wide enough for the vectorized path, channels-last,
+    float64 and bfloat16. ``fused`` off forces the torch reference."""
+    from lessmem.compress.ops import CompactMaxPool2dFunction
+
+    if not fused:
+        monkeypatch.setenv("LESSMEM_CPU_KERNELS", "0")
+    torch.manual_seed(0)
+    geometries = [((3, 3), (2, 2), (1, 1), (1, 1), False), ((2, 2), (2, 2), (0, 0), (1, 1), False),
+                  ((3, 3), (1, 1), (1, 1), (1, 1), False), ((3, 2), (3, 2), (1, 0), (1, 1), True),
+                  ((3, 3), (2, 2), (1, 1), (2, 2), True), ((1, 1), (1, 1), (0, 0), (1, 1), False),
+                  ((5, 5), (2, 3), (2, 2), (1, 1), True)]
+    for (kernel, stride, padding, dilation, ceil), dtype, cl in itertools.product(
+            geometries, (torch.float32, torch.float64, torch.bfloat16), (False, True)):
+        x = torch.randint(-3, 4, (2, 3, 19, 37)).to(dtype)
+        x[0, 0, 2, 5], x[0, 1, :3, :3], x[1, 2, 4, 10:14] = float("nan"), float("-inf"), float("nan")
+        if cl:
+            x = x.contiguous(memory_format=torch.channels_last)
+        args = (kernel, stride, padding, dilation, ceil)
+        sx, cx = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        y = F.max_pool2d(sx, *args)
+        out = CompactMaxPool2dFunction.apply(cx, *args)
+        g = torch.randn_like(y)
+        y.backward(g)
+        out.backward(g)
+        assert torch.equal(out.nan_to_num(7.0), y.detach().nan_to_num(7.0)), (args, dtype, cl)
+        if dtype == torch.bfloat16:  # overlapping windows: bf16 sums in another order than stock
+            torch.testing.assert_close(cx.grad, sx.grad, rtol=0.02, atol=0.05)
+        else:
+            assert torch.equal(cx.grad, sx.grad), (args, dtype, cl)
+
+
 def test_inplace_relu_after_conv():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True), nn.Conv2d(4, 2, 3))
@@ -373,16 +409,19 @@ def test_norm_storage_is_smaller_and_approximate():
         lessmem.compress(model, {"*": 2}, norm_storage="fp8")
 
 
+@pytest.mark.parametrize("swapped", [False, True], ids=["matrix-product", "swapped-conv"])
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("size", [8, 12, 9])
-def test_block_grid_weight_grad_equals_expanded_input(size, channels_last, monkeypatch):
+def test_block_grid_weight_grad_equals_expanded_input(size, channels_last, swapped, monkeypatch):
     """The weight gradient taken on the pooled grid (no expanded copy) equals the one on the
-    expanded block means, for strides that divide k, paddings, dilations and groups; other
-    geometries (odd sizes, stride 3) take the expanding path and must agree too."""
+    expanded block means, for strides that divide k, paddings, dilations and groups, by either
+    way of forming the products (``swapped``); other geometries (odd sizes, stride 3) take the
+    expanding path and must agree too."""
     from lessmem.compress import ops
     from lessmem.compress.ops import conv_grads, expand_blocks, pool_blocks, pooled_conv_grads
 
     monkeypatch.setattr(ops, "BLOCK_PATH_MIN_POSITIONS", 0)  # tiny tensors take the block path too
+    monkeypatch.setattr(ops, "SWAPPED_CONV_MIN_BLOCKS_PER_CHANNEL", 0 if swapped else 10**9)
     torch.manual_seed(0)
     for k, s, kk, pad, d, g in [(2, 1, 3, 1, 1, 1), (2, 2, 3, 1, 1, 1), (4, 1, 3, 1, 1, 2),
                                 (4, 2, 1, 0, 1, 1), (2, 1, 5, 2, 2, 1), (2, 2, 2, 0, 1, 4),

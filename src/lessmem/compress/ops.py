@@ -25,8 +25,9 @@ def pool_blocks(x: Tensor, kernel: Pair) -> Tensor:
     """k×k block means. ``ceil_mode`` keeps partial edge blocks, averaged over their true size."""
     h, w = x.shape[-2:]
     if x.dim() == 4 and h % kernel[0] == 0 and w % kernel[1] == 0:
-        # Blocks tile the input: sums of strided views (one pass, any memory layout) beat
-        # avg_pool2d on CPU.
+        if is_dense(x) and cpu_kernels.enabled_for(x):
+            return cpu_kernels.pool_blocks(x, kernel)  # same values, one pass
+        # Blocks tile the input: sums of strided views (any memory layout) beat avg_pool2d on CPU.
         return sum_strided(sum_strided(x, kernel[0], 2), kernel[1], 3).mul_(1.0 / (kernel[0] * kernel[1]))
     return F.avg_pool2d(x, kernel, stride=kernel, ceil_mode=True)
 
@@ -186,6 +187,8 @@ def _block_weight_grad(grad_out, pooled, shape, weight, stride, padding, dilatio
         return None
     g = F.pad(grad_out, (fw, bw, fh, bh)) if fh or bh or fw or bw else grad_out
     g = sum_windows(sum_windows(g, mh, 2), mw, 3)  # g[.., r, c]: sum of the m×m window at (r, c)
+    if groups == 1 and n * hb * wb >= SWAPPED_CONV_MIN_BLOCKS_PER_CHANNEL * ipg:
+        return _weight_grad_swapped_conv(g, pooled, weight, rows, cols, (mh, mw))
     # win[n, o, b, b', j, j'] = g[n, o, b·mh + r0 + j, b'·mw + c0 + j']: per read offset (j, j'),
     # the gradient sums that meet block (b, b')
     win = g[:, :, r0:, c0:].unfold(2, sh, mh)[:, :, :hb].unfold(3, sw, mw)[:, :, :, :wb]
@@ -202,6 +205,34 @@ def _block_weight_grad(grad_out, pooled, shape, weight, stride, padding, dilatio
     taps = [(r - r0) * sw + c - c0 for r in rows for c in cols]
     gw = per_offset.reshape(offsets, o * ipg).index_select(0, torch.tensor(taps, device=g.device))
     return gw.view(kh, kw, o, ipg).permute(2, 3, 0, 1).contiguous(memory_format=format_of(weight))
+
+
+# Blocks per input channel above which the window-sum × block-mean products run as one conv
+# weight gradient (no copy of the sums per read offset): measured on CPU, resnet18 / resnet20
+# layers; below it the copy is small and one matrix product is faster.
+SWAPPED_CONV_MIN_BLOCKS_PER_CHANNEL = 16
+
+
+def _weight_grad_swapped_conv(g, pooled, weight, rows, cols, m: Pair):
+    """m > 1, groups = 1: gw[o, i, t] = sum over blocks b of g[o, b·m + start_t] · means[i, b]
+    is the weight gradient of a stride-m conv with the roles swapped (window sums ``g`` as the
+    input, block means as the output gradient), taps = the distinct read offsets; it comes out
+    (in, out)-major and is transposed."""
+    r0, c0 = min(rows), min(cols)
+    sh, sw = max(rows) - r0 + 1, max(cols) - c0 + 1
+    hb, wb = pooled.shape[2:]
+    g = g[:, :, r0: r0 + (hb - 1) * m[0] + sh, c0: c0 + (wb - 1) * m[1] + sw]
+    swapped = torch.ops.aten.convolution_backward(
+        pooled, g, weight.new_empty(()).expand(pooled.shape[1], g.shape[1], sh, sw), None,
+        m, (0, 0), (1, 1), False, [0, 0], 1, [False, True, False])[1]
+    gw = swapped.transpose(0, 1)
+    taps = [(r - r0) * sw + c - c0 for r in rows for c in cols]
+    if taps != list(range(sh * sw)):
+        # one gather (offsets run backwards over the taps, and taps share them when stride > 1);
+        # it writes a fresh contiguous (out, in, taps) tensor, so the transpose comes free
+        gw = gw.reshape(*gw.shape[:2], sh * sw).index_select(2, torch.tensor(taps, device=g.device)).view(
+            *gw.shape[:2], len(rows), len(cols))
+    return gw.contiguous(memory_format=format_of(weight))
 
 
 def _weight_grad_block_shifts(grad_out, pooled, weight, groups, rows, cols, fh, fw):
@@ -376,8 +407,15 @@ class CompactMaxPool2dFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, kernel, stride, padding, dilation, ceil_mode):
-        out, idx = F.max_pool2d(x, kernel, stride, padding, dilation, ceil_mode, return_indices=True)
         h, w = x.shape[-2:]
+        ctx.geometry = (kernel, stride, padding, dilation, (h, w), tuple(x.shape))
+        ctx.fused = x.dim() == 4 and x.is_contiguous() and cpu_kernels.enabled_for(x)
+        if ctx.fused:
+            out_hw = [_pooled_size(*a, ceil_mode) for a in zip((h, w), kernel, stride, padding, dilation)]
+            out, local = cpu_kernels.max_pool_compact(x, kernel, stride, padding, dilation, out_hw)
+            ctx.save_for_backward(local)
+            return out
+        out, idx = F.max_pool2d(x, kernel, stride, padding, dilation, ceil_mode, return_indices=True)
         row0, col0 = _window_origins(out.shape[-2:], stride, padding, x.device)
         flat = idx.to(torch.int32)  # int32 arithmetic: half the memory traffic of int64
         r = flat // w
@@ -386,13 +424,15 @@ class CompactMaxPool2dFunction(torch.autograd.Function):
             col_off, row_off = col_off // dilation[1], row_off // dilation[0]
         local = row_off.mul_(kernel[1]).add_(col_off)
         ctx.save_for_backward(local.to(torch.uint8))
-        ctx.geometry = (kernel, stride, padding, dilation, (h, w), tuple(x.shape))
         return out
 
     @staticmethod
     def backward(ctx, grad):
         (local,) = ctx.saved_tensors
         kernel, stride, padding, dilation, (h, w), shape = ctx.geometry
+        if ctx.fused:
+            gx = cpu_kernels.max_pool_compact_backward(grad, local, kernel, stride, padding, dilation, (h, w))
+            return gx, None, None, None, None, None
         row0, col0 = _window_origins(grad.shape[-2:], stride, padding, grad.device)
         # plane index = window origin + offset of the argmax inside the window (a small table)
         i = torch.arange(kernel[0], device=grad.device)[:, None] * dilation[0]
@@ -402,6 +442,15 @@ class CompactMaxPool2dFunction(torch.autograd.Function):
         gx = grad.new_zeros(*shape[:-2], h * w)
         gx.scatter_add_(-1, idx, grad.flatten(-2))
         return gx.view(shape), None, None, None, None, None
+
+
+def _pooled_size(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
+    """Output length of max-pooling along one axis, as PyTorch computes it."""
+    span = size + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil_mode else 0)
+    out = span // s + 1
+    if ceil_mode and (out - 1) * s >= size + p:  # the last window must start inside the input
+        out -= 1
+    return out
 
 
 def _window_origins(out_hw, stride: Pair, padding: Pair, device) -> tuple[Tensor, Tensor]:
