@@ -411,7 +411,7 @@ class CompactMaxPool2dFunction(torch.autograd.Function):
         ctx.geometry = (kernel, stride, padding, dilation, (h, w), tuple(x.shape))
         ctx.fused = x.dim() == 4 and x.is_contiguous() and cpu_kernels.enabled_for(x)
         if ctx.fused:
-            out_hw = [_pooled_size(*a, ceil_mode) for a in zip((h, w), kernel, stride, padding, dilation)]
+            out_hw = [_pooled_size(*a, ceil_mode) for a in zip((h, w), kernel, stride, padding, dilation, strict=True)]
             out, local = cpu_kernels.max_pool_compact(x, kernel, stride, padding, dilation, out_hw)
             ctx.save_for_backward(local)
             return out
