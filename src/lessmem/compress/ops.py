@@ -130,12 +130,12 @@ def pooled_conv_grads(grad_out, pooled, shape, weight, has_bias, stride, padding
     on the pooled grid (``_block_weight_grad``): k²/stride² fewer multiply-adds than on the
     expanded input and no full-size copy; otherwise the means are expanded first."""
     gw = None
-    positions = grad_out.numel() // max(1, grad_out.shape[1])  # n · output height · width
-    if needs[1] and _block_grid_fits(shape, kernel, stride) and positions >= BLOCK_PATH_MIN_POSITIONS:
+    if needs[1] and _block_grid_fits(shape, kernel, stride) and _block_path_pays(grad_out, weight, groups,
+                                                                                kernel, stride):
         gw = _block_weight_grad(grad_out, pooled, shape, weight, stride, padding, dilation, groups, kernel)
     if gw is None:
-        # Small inputs (per-op overhead dominates) and geometries the pooled grid does not take:
-        # expand the means and make one convolution_backward call for all three gradients.
+        # Small inputs (per-op overhead dominates), layers where the passes over the output gradient
+        # would cost more than they save, and geometries the pooled grid does not take: expand the means and make one convolution_backward call for all three gradients.
         x_hat = expand_blocks(pooled, kernel, shape[2:]) if needs[1] else _input_like(grad_out, shape)
         return conv_grads(grad_out, x_hat, weight, has_bias, stride, padding, dilation, groups, needs)
     gx = None
@@ -155,6 +155,22 @@ def _input_like(grad_out: Tensor, shape) -> Tensor:
 # size, and costs a few extra passes over the weight (gradient layout, tap gather): below this
 # many output positions the expanding path is faster (measured on CPU, resnet18 at 64 px).
 BLOCK_PATH_MIN_POSITIONS = 256
+
+
+def _block_path_pays(grad_out: Tensor, weight: Tensor, groups: int, kernel: Pair, stride: Pair) -> bool:
+    """Cost model for the pooled-grid weight gradient against expanding the means (CPU, fitted to
+    resnet18 / mobilenet_v2 layers). With m = k/stride > 1 it saves (1 - 1/m²)·ipg·taps multiply-
+    adds per output-gradient value but makes ~3 passes over the output gradient (padding, window
+    sums), where expanding makes ~2 over the input; one pass costs about 10 multiply-adds per value.
+    So depthwise convs and 1×1 convs with few input channels per output channel expand."""
+    positions = grad_out.numel() // max(1, grad_out.shape[1])  # n · output height · width
+    if positions < BLOCK_PATH_MIN_POSITIONS:
+        return False
+    m2 = (kernel[0] // stride[0]) * (kernel[1] // stride[1])
+    if m2 == 1:  # block grid = output grid: no passes over the output gradient
+        return True
+    ipg, opg, taps = weight.shape[1], weight.shape[0] // groups, weight.shape[2] * weight.shape[3]
+    return 30 - 20 * ipg / opg < (1 - 1 / m2) * ipg * taps
 
 
 def _block_grid_fits(shape, kernel: Pair, stride: Pair) -> bool:
@@ -187,8 +203,8 @@ def _block_weight_grad(grad_out, pooled, shape, weight, stride, padding, dilatio
         return None
     g = F.pad(grad_out, (fw, bw, fh, bh)) if fh or bh or fw or bw else grad_out
     g = sum_windows(sum_windows(g, mh, 2), mw, 3)  # g[.., r, c]: sum of the m×m window at (r, c)
-    if groups == 1 and n * hb * wb >= SWAPPED_CONV_MIN_BLOCKS_PER_CHANNEL * ipg:
-        return _weight_grad_swapped_conv(g, pooled, weight, rows, cols, (mh, mw))
+    if groups > 1 or n * hb * wb >= SWAPPED_CONV_MIN_BLOCKS_PER_CHANNEL * ipg:
+        return _weight_grad_swapped_conv(g, pooled, weight, groups, rows, cols, (mh, mw))
     # win[n, o, b, b', j, j'] = g[n, o, b·mh + r0 + j, b'·mw + c0 + j']: per read offset (j, j'),
     # the gradient sums that meet block (b, b')
     win = g[:, :, r0:, c0:].unfold(2, sh, mh)[:, :, :hb].unfold(3, sw, mw)[:, :, :, :wb]
@@ -213,26 +229,26 @@ def _block_weight_grad(grad_out, pooled, shape, weight, stride, padding, dilatio
 SWAPPED_CONV_MIN_BLOCKS_PER_CHANNEL = 16
 
 
-def _weight_grad_swapped_conv(g, pooled, weight, rows, cols, m: Pair):
-    """m > 1, groups = 1: gw[o, i, t] = sum over blocks b of g[o, b·m + start_t] · means[i, b]
-    is the weight gradient of a stride-m conv with the roles swapped (window sums ``g`` as the
-    input, block means as the output gradient), taps = the distinct read offsets; it comes out
-    (in, out)-major and is transposed."""
+def _weight_grad_swapped_conv(g, pooled, weight, groups, rows, cols, m: Pair):
+    """m > 1: gw[o, i, t] = sum over blocks b of g[o, b·m + start_t] · means[i, b] is the weight
+    gradient of a stride-m conv with the roles swapped (window sums ``g`` as the input, block
+    means as the output gradient, same groups), taps = the distinct read offsets; it comes out
+    (in, out)-major per group and is transposed."""
     r0, c0 = min(rows), min(cols)
     sh, sw = max(rows) - r0 + 1, max(cols) - c0 + 1
     hb, wb = pooled.shape[2:]
+    o, ipg = weight.shape[:2]
     g = g[:, :, r0: r0 + (hb - 1) * m[0] + sh, c0: c0 + (wb - 1) * m[1] + sw]
     swapped = torch.ops.aten.convolution_backward(
-        pooled, g, weight.new_empty(()).expand(pooled.shape[1], g.shape[1], sh, sw), None,
-        m, (0, 0), (1, 1), False, [0, 0], 1, [False, True, False])[1]
-    gw = swapped.transpose(0, 1)
+        pooled, g, weight.new_empty(()).expand(groups * ipg, o // groups, sh, sw), None,
+        m, (0, 0), (1, 1), False, [0, 0], groups, [False, True, False])[1]
+    gw = swapped.view(groups, ipg, o // groups, sh * sw).transpose(1, 2)
     taps = [(r - r0) * sw + c - c0 for r in rows for c in cols]
     if taps != list(range(sh * sw)):
         # one gather (offsets run backwards over the taps, and taps share them when stride > 1);
-        # it writes a fresh contiguous (out, in, taps) tensor, so the transpose comes free
-        gw = gw.reshape(*gw.shape[:2], sh * sw).index_select(2, torch.tensor(taps, device=g.device)).view(
-            *gw.shape[:2], len(rows), len(cols))
-    return gw.contiguous(memory_format=format_of(weight))
+        # it writes a fresh contiguous (groups, out, in, taps) tensor: the transpose comes free
+        gw = gw.index_select(3, torch.tensor(taps, device=g.device))
+    return gw.reshape(o, ipg, len(rows), len(cols)).contiguous(memory_format=format_of(weight))
 
 
 def _weight_grad_block_shifts(grad_out, pooled, weight, groups, rows, cols, fh, fw):
