@@ -183,14 +183,15 @@ def _block_weight_grad(grad_out, pooled, shape, weight, stride, padding, dilatio
 
     gw[o, i, th, tw] = sum over outputs of grad_out * x_hat at the tap's input position, and
     x_hat is constant on k×k blocks. With m = k/stride > 1, per tap the m×m outputs that read
-    one block are summed first (a sum-pool of grad_out read at a per-tap offset), then one
-    batched matrix product over all taps with the block means: k²/stride² fewer multiply-adds
-    than the weight gradient on the expanded input and no full-size expanded copy. With m = 1
-    (stride = k) output and block grids coincide: one stride-1 conv weight gradient on the
-    pooled grid whose taps are the distinct block shifts. Blocks in the conv's zero padding
-    contribute nothing."""
+    one block are summed first (a sum-pool of grad_out read at a per-tap offset), then multiplied
+    with the block means, for all distinct read offsets at once: as one matrix product (few blocks
+    per input channel) or as one conv weight gradient with the roles swapped (many blocks, or
+    groups): k²/stride² fewer multiply-adds than the weight gradient on the expanded input and no
+    full-size expanded copy. With m = 1 (stride = k) output and block grids coincide: one
+    stride-1 conv weight gradient on the pooled grid whose taps are the distinct block shifts.
+    Blocks in the conv's zero padding contribute nothing."""
     n, o, ho, wo = grad_out.shape
-    opg, ipg, kh, kw = o // groups, weight.shape[1], weight.shape[2], weight.shape[3]
+    ipg, kh, kw = weight.shape[1], weight.shape[2], weight.shape[3]
     hb, wb = shape[2] // kernel[0], shape[3] // kernel[1]
     rows, (fh, bh), mh = _tap_reads(kh, kernel[0], stride[0], dilation[0], padding[0], ho, hb)
     cols, (fw, bw), mw = _tap_reads(kw, kernel[1], stride[1], dilation[1], padding[1], wo, wb)
@@ -209,12 +210,9 @@ def _block_weight_grad(grad_out, pooled, shape, weight, stride, padding, dilatio
     # the gradient sums that meet block (b, b')
     win = g[:, :, r0:, c0:].unfold(2, sh, mh)[:, :, :hb].unfold(3, sw, mw)[:, :, :, :wb]
     offsets, blocks = sh * sw, n * hb * wb
-    means = pooled.permute(0, 2, 3, 1).reshape(blocks, groups * ipg)
+    means = pooled.permute(0, 2, 3, 1).reshape(blocks, ipg)
     # one matrix product for all offsets, the operand copied in the order its source is laid out
-    if groups > 1:
-        sums = win.permute(4, 5, 0, 2, 3, 1).reshape(offsets, blocks, groups, opg)
-        per_offset = torch.einsum("sngo,ngi->sgoi", sums, means.view(blocks, groups, ipg))
-    elif is_channels_last(g):
+    if is_channels_last(g):
         per_offset = win.permute(0, 2, 3, 4, 5, 1).reshape(blocks, offsets * o).t() @ means
     else:
         per_offset = win.permute(4, 5, 1, 0, 2, 3).reshape(offsets * o, blocks) @ means
