@@ -90,3 +90,30 @@ def test_fused_cpu_kernels_match_reference(monkeypatch) -> None:
                     gx, = torch.autograd.grad(out, xx, g)
                     ref_gx, = torch.autograd.grad(torch.clamp(xx, 0.0, hi) if hi else torch.relu(xx), xx, g)
                     assert torch.equal(out, y) and torch.equal(gx, ref_gx), (dtype, cl, hi, inplace)
+
+
+def test_fused_cpu_block_pooling_equals_reference(monkeypatch) -> None:
+    """The C++ block pooling sums in the torch reference's order: identical values (fp32/fp64),
+    contiguous and channels-last, square and oblong blocks, same layout out."""
+    import torch
+
+    from lessmem.compress import cpu_kernels, ops
+
+    if not cpu_kernels.enabled_for(torch.zeros(1)):
+        pytest.skip("no C++ compiler here: the torch reference is used")
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        for cl in (False, True):
+            for kernel in ((2, 2), (4, 4), (3, 2), (2, 4)):
+                x = torch.randn(3, 5, 12, 40).to(dtype)  # rows of 40: vector body and scalar tail
+                if cl:
+                    x = x.contiguous(memory_format=torch.channels_last)
+                fused = cpu_kernels.pool_blocks(x, kernel)
+                with monkeypatch.context() as m:
+                    m.setenv("LESSMEM_CPU_KERNELS", "0")
+                    ref = ops.pool_blocks(x, kernel)
+                assert fused.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+                if dtype == torch.bfloat16:  # the kernel sums in float, the reference in bf16
+                    torch.testing.assert_close(fused, ref, rtol=0.02, atol=0.02)
+                else:
+                    assert torch.equal(fused, ref), (dtype, cl, kernel)
