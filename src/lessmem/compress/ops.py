@@ -92,6 +92,22 @@ def pooled_once(x: Tensor, kernel: Pair, storage: Storage) -> tuple[Tensor, ...]
 # ---------------------------------------------------------------------------------------------
 
 
+def _save_pooled(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, packed: tuple[Tensor, ...],
+                 storage: Storage) -> None:
+    """What the pooled conv / linear functions keep: the weight and the packed pooled input
+    (empty when no weight gradient is wanted) as saved tensors, shapes and flags on ctx."""
+    ctx.save_for_backward(weight, *packed)
+    ctx.storage, ctx.x_meta, ctx.has_bias = storage, (tuple(x.shape), x.dtype), bias is not None
+
+
+def _saved_pooled(ctx) -> tuple[Tensor, Tensor | None, tuple[int, ...], tuple[bool, bool, bool]]:
+    """(weight, pooled input or None, input shape, which of input / weight / bias gradients)."""
+    weight, *packed = ctx.saved_tensors
+    shape, dtype = ctx.x_meta
+    pooled = unpack_tensor(packed, ctx.storage, dtype) if packed else None
+    return weight, pooled, shape, (ctx.needs_input_grad[0], bool(packed), ctx.has_bias and ctx.needs_input_grad[2])
+
+
 class PooledConv2dFunction(torch.autograd.Function):
     """conv2d whose input is saved only as k×k block means.
 
@@ -103,19 +119,13 @@ class PooledConv2dFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, stride, padding, dilation, groups, kernel, storage):
         out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
         packed = pooled_once(x, kernel, storage) if ctx.needs_input_grad[1] else ()
-        ctx.save_for_backward(weight, *packed)
-        ctx.conv = (stride, padding, dilation, groups)
-        ctx.kernel, ctx.storage = kernel, storage
-        ctx.x_meta = (tuple(x.shape), x.dtype)
-        ctx.has_bias = bias is not None
+        _save_pooled(ctx, x, weight, bias, packed, storage)
+        ctx.conv, ctx.kernel = (stride, padding, dilation, groups), kernel
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        weight, *packed = ctx.saved_tensors
-        shape, dtype = ctx.x_meta
-        pooled = unpack_tensor(packed, ctx.storage, dtype) if packed else None
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
+        weight, pooled, shape, needs = _saved_pooled(ctx)
         gx, gw, gb = pooled_conv_grads(grad_out, pooled, shape, weight, ctx.has_bias, *ctx.conv,
                                        ctx.kernel, needs)
         return gx, gw, gb, None, None, None, None, None, None
@@ -318,17 +328,14 @@ class PooledLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, k, storage):
         out = F.linear(x, weight, bias)
         packed = pack_tensor(pool_tokens(x.detach(), k), storage) if ctx.needs_input_grad[1] else ()
-        ctx.save_for_backward(weight, *packed)
-        ctx.k, ctx.storage, ctx.x_meta = k, storage, (tuple(x.shape), x.dtype)
-        ctx.has_bias = bias is not None
+        _save_pooled(ctx, x, weight, bias, packed, storage)
+        ctx.k = k
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        weight, *packed = ctx.saved_tensors
-        shape, dtype = ctx.x_meta
-        x_hat = expand_tokens(unpack_tensor(packed, ctx.storage, dtype), ctx.k, shape[-2]) if packed else None
-        needs = (ctx.needs_input_grad[0], bool(packed), ctx.has_bias and ctx.needs_input_grad[2])
+        weight, pooled, shape, needs = _saved_pooled(ctx)
+        x_hat = expand_tokens(pooled, ctx.k, shape[-2]) if pooled is not None else None
         return (*linear_grads(grad_out, x_hat, weight, needs), None, None)
 
 
