@@ -435,7 +435,7 @@ def _load():
                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # no compiler, headers, ...: the torch reference still works
                 _failed = True
-                warnings.warn(f"lessmem: fused CPU mask kernels unavailable ({type(e).__name__}: "
+                warnings.warn(f"lessmem: fused CPU kernels unavailable ({type(e).__name__}: "
                               f"{str(e)[:200]}); using the slower torch reference", stacklevel=3)
     return _module
 
