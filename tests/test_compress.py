@@ -440,6 +440,37 @@ def test_block_grid_weight_grad_equals_expanded_input(size, channels_last, swapp
             torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
 
 
+def test_depthwise_weight_grad_kernel_equals_expanded_input() -> None:
+    """The C++ depthwise weight gradient (block means expanded per channel in cache) equals the
+    weight gradient on the expanded means, for strides 1-2, paddings, dilations, 1x1 to 5x5 taps,
+    2x2 and 4x4 blocks, fp64 and fp32; pooled_conv_grads routes depthwise layers to it."""
+    from lessmem.compress import cpu_kernels, ops
+    from lessmem.compress.ops import conv_grads, expand_blocks, pool_blocks, pooled_conv_grads
+
+    if not cpu_kernels.enabled_for(torch.zeros(1)):
+        pytest.skip("no C++ compiler here: depthwise layers expand the means")
+    torch.manual_seed(0)
+    calls = []
+    kernel_fn = cpu_kernels.depthwise_weight_grad
+    for k, s, kk, pad, d in [(2, 1, 3, 1, 1), (2, 2, 3, 1, 1), (4, 1, 5, 2, 1), (2, 1, 3, 2, 2),
+                             (4, 2, 3, 0, 1), (2, 1, 1, 0, 1), (2, 2, 5, 2, 2)]:
+        for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-4)):
+            x = torch.randn(3, 6, 36, 40, dtype=dtype)
+            w = torch.randn(6, 1, kk, kk, dtype=dtype)
+            geometry = ((s, s), (pad, pad), (d, d), 6)
+            go = torch.randn_like(F.conv2d(x, w, None, *geometry))
+            pooled = pool_blocks(x, (k, k))
+            ref = conv_grads(go, expand_blocks(pooled, (k, k), x.shape[2:]), w, True, *geometry, (True, True, True))
+            with pytest.MonkeyPatch.context() as m:
+                m.setattr(cpu_kernels, "depthwise_weight_grad", lambda *a: calls.append(a) or kernel_fn(*a))
+                got = pooled_conv_grads(go, pooled, x.shape, w, True, *geometry, (k, k), (True, True, True))
+            for a, b in zip(ref, got, strict=True):
+                torch.testing.assert_close(b, a, rtol=tol, atol=tol)
+    assert len(calls) == 14
+    assert not ops._depthwise_kernel_takes(go.contiguous(memory_format=torch.channels_last), pooled, x.shape,
+                                           w, 6, (2, 2), (1, 1))
+
+
 def test_channels_last_model_matches_stock():
     """NHWC models: same outputs, exact input grads, masks packed in memory order."""
     torch.manual_seed(0)

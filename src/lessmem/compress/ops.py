@@ -140,8 +140,11 @@ def pooled_conv_grads(grad_out, pooled, shape, weight, has_bias, stride, padding
     on the pooled grid (``_block_weight_grad``): k²/stride² fewer multiply-adds than on the
     expanded input and no full-size copy; otherwise the means are expanded first."""
     gw = None
-    if needs[1] and _block_grid_fits(shape, kernel, stride) and _block_path_pays(grad_out, weight, groups,
-                                                                                kernel, stride):
+    if needs[1] and _depthwise_kernel_takes(grad_out, pooled, shape, weight, groups, kernel, stride):
+        gw = cpu_kernels.depthwise_weight_grad(grad_out, pooled, weight.shape[2:], stride, padding, dilation,
+                                               kernel)
+    elif needs[1] and _block_grid_fits(shape, kernel, stride) and _block_path_pays(grad_out, weight, groups,
+                                                                                  kernel, stride):
         gw = _block_weight_grad(grad_out, pooled, shape, weight, stride, padding, dilation, groups, kernel)
     if gw is None:
         # Small inputs (per-op overhead dominates), layers where the passes over the output gradient
@@ -165,6 +168,17 @@ def _input_like(grad_out: Tensor, shape) -> Tensor:
 # size, and costs a few extra passes over the weight (gradient layout, tap gather): below this
 # many output positions the expanding path is faster (measured on CPU, resnet18 at 64 px).
 BLOCK_PATH_MIN_POSITIONS = 256
+
+
+def _depthwise_kernel_takes(grad_out, pooled, shape, weight, groups, kernel: Pair, stride: Pair) -> bool:
+    """Depthwise convs (one input and one output channel per group) on CPU, NCHW, blocks tiling the
+    input: the C++ kernel expands each channel's means in cache and reads the output gradient once
+    (the pooled grid saves them nothing, the expanded copy costs a full pass). Strided ones only
+    from 16 outputs per row: below that its per-row loop is slower than expanding."""
+    return (groups > 1 and weight.shape[0] == groups and weight.shape[1] == 1
+            and shape[2] % kernel[0] == 0 and shape[3] % kernel[1] == 0
+            and (tuple(stride) == (1, 1) or grad_out.shape[3] >= 16)
+            and grad_out.is_contiguous() and pooled.is_contiguous() and cpu_kernels.enabled_for(grad_out))
 
 
 def _block_path_pays(grad_out: Tensor, weight: Tensor, groups: int, kernel: Pair, stride: Pair) -> bool:
