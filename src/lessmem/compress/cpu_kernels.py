@@ -9,6 +9,9 @@ pool (AVX2 paths for float32 where the compiler has it):
   reference's order, so the values are identical.
 - ``max_pool_compact`` / ``max_pool_compact_backward``: max-pooling that records the argmax as
   a uint8 position in its window (not an int64 plane index), and its gradient scatter.
+- ``depthwise_weight_grad``: a depthwise conv's weight gradient from its block means, each
+  channel expanded in cache (the pooled grid saves depthwise convs nothing; a full-size expanded
+  copy costs more than the gradient).
 
 Same bit layout as ``ops.pack_bits`` (element i of each group of 8, in memory order, in bit i).
 Compiled with ``torch.utils.cpp_extension.load_inline`` the first time a compressed model runs
