@@ -303,6 +303,11 @@ def test_compact_maxpool_matches_stock_on_hard_inputs(fused, monkeypatch):
             torch.testing.assert_close(cx.grad, sx.grad, rtol=0.02, atol=0.05)
         else:
             assert torch.equal(cx.grad, sx.grad), (args, dtype, cl)
+    # arguments stock rejects are rejected with stock's message, kernel or not
+    with pytest.raises(RuntimeError, match="pad should be"):
+        CompactMaxPool2dFunction.apply(torch.randn(1, 2, 8, 8), (3, 3), (2, 2), (2, 2), (1, 1), False)
+    with pytest.raises(RuntimeError, match="too small"):
+        CompactMaxPool2dFunction.apply(torch.randn(1, 2, 8, 8), (9, 9), (1, 1), (0, 0), (1, 1), False)
 
 
 def test_inplace_relu_after_conv():

@@ -148,7 +148,8 @@ def pooled_conv_grads(grad_out, pooled, shape, weight, has_bias, stride, padding
         gw = _block_weight_grad(grad_out, pooled, shape, weight, stride, padding, dilation, groups, kernel)
     if gw is None:
         # Small inputs (per-op overhead dominates), layers where the passes over the output gradient
-        # would cost more than they save, and geometries the pooled grid does not take: expand the means and make one convolution_backward call for all three gradients.
+        # would cost more than they save, and geometries the pooled grid does not take: expand the
+        # means and make one convolution_backward call for all three gradients.
         x_hat = expand_blocks(pooled, kernel, shape[2:]) if needs[1] else _input_like(grad_out, shape)
         return conv_grads(grad_out, x_hat, weight, has_bias, stride, padding, dilation, groups, needs)
     gx = None
@@ -186,7 +187,8 @@ def _block_path_pays(grad_out: Tensor, weight: Tensor, groups: int, kernel: Pair
     resnet18 / mobilenet_v2 layers). With m = k/stride > 1 it saves (1 - 1/m²)·ipg·taps multiply-
     adds per output-gradient value but makes ~3 passes over the output gradient (padding, window
     sums), where expanding makes ~2 over the input; one pass costs about 10 multiply-adds per value.
-    So depthwise convs and 1×1 convs with few input channels per output channel expand."""
+    So 1×1 convs with few input channels per output channel expand, and depthwise convs where the
+    C++ depthwise kernel does not take them."""
     positions = grad_out.numel() // max(1, grad_out.shape[1])  # n · output height · width
     if positions < BLOCK_PATH_MIN_POSITIONS:
         return False
@@ -444,9 +446,12 @@ class CompactMaxPool2dFunction(torch.autograd.Function):
     def forward(ctx, x, kernel, stride, padding, dilation, ceil_mode):
         h, w = x.shape[-2:]
         ctx.geometry = (kernel, stride, padding, dilation, (h, w), tuple(x.shape))
-        ctx.fused = x.dim() == 4 and x.is_contiguous() and cpu_kernels.enabled_for(x)
+        out_hw = [_pooled_size(*a, ceil_mode) for a in zip((h, w), kernel, stride, padding, dilation, strict=True)]
+        # arguments stock would reject (padding over half the kernel, empty output) take the stock
+        # path below, which raises its own error
+        valid = all(p <= k // 2 for p, k in zip(padding, kernel, strict=True)) and min(out_hw) > 0
+        ctx.fused = valid and x.dim() == 4 and x.is_contiguous() and cpu_kernels.enabled_for(x)
         if ctx.fused:
-            out_hw = [_pooled_size(*a, ceil_mode) for a in zip((h, w), kernel, stride, padding, dilation, strict=True)]
             out, local = cpu_kernels.max_pool_compact(x, kernel, stride, padding, dilation, out_hw)
             ctx.save_for_backward(local)
             return out
