@@ -427,6 +427,7 @@ def test_block_grid_weight_grad_equals_expanded_input(size, channels_last, swapp
 
     monkeypatch.setattr(ops, "_block_path_pays", lambda *args: True)  # whatever the cost model says
     monkeypatch.setattr(ops, "SWAPPED_CONV_MIN_BLOCKS_PER_CHANNEL", 0 if swapped else 10**9)
+    monkeypatch.setattr(ops, "PAD_COPY_MAX_ELEMENTS", 0 if swapped else 2**30)  # both padding routes too
     torch.manual_seed(0)
     for k, s, kk, pad, d, g in [(2, 1, 3, 1, 1, 1), (2, 2, 3, 1, 1, 1), (4, 1, 3, 1, 1, 2),
                                 (4, 2, 1, 0, 1, 1), (2, 1, 5, 2, 2, 1), (2, 2, 2, 0, 1, 4),
@@ -443,6 +444,29 @@ def test_block_grid_weight_grad_equals_expanded_input(size, channels_last, swapp
         got = pooled_conv_grads(go, pooled, x.shape, w, True, *geometry, (k, k), (True, True, True))
         for a, b in zip(ref, got, strict=True):
             torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("pad_copy", [True, False], ids=["padded-copy", "edge-sums"])
+def test_window_sums_of_zero_padded_input(pad_copy, monkeypatch) -> None:
+    """ops.sum_windows with front/back padding equals window sums of the explicitly padded
+    tensor, by either route (padded copy for small tensors, edge sums for large ones)."""
+    from lessmem.compress import ops
+
+    monkeypatch.setattr(ops, "PAD_COPY_MAX_ELEMENTS", 2**30 if pad_copy else 0)
+    torch.manual_seed(0)
+    for cl, m, front, back, dim, size in itertools.product(
+            (False, True), (1, 2, 3, 4), (0, 1, 2, 5), (0, 1, 3), (2, 3), (1, 2, 7)):
+        x = torch.randn(2, 3, size, size + 1, dtype=torch.float64)
+        if cl:
+            x = x.contiguous(memory_format=torch.channels_last)
+        padded = F.pad(x, (front, back, 0, 0) if dim == 3 else (0, 0, front, back))
+        count = padded.shape[dim] - m + 1
+        if count <= 0:
+            continue
+        expected = sum(padded.narrow(dim, j, count) for j in range(m))
+        got = ops.sum_windows(x, m, dim, front, back)
+        assert got.shape == expected.shape, (cl, m, front, back, dim, size)
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_depthwise_weight_grad_kernel_equals_expanded_input() -> None:

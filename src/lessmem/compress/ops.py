@@ -228,8 +228,8 @@ def _block_weight_grad(grad_out, pooled, shape, weight, stride, padding, dilatio
     sh, sw = max(rows) - r0 + 1, max(cols) - c0 + 1
     if sh * sw > 3 * mh * mw:  # the gradient sums per offset would outweigh the gradient itself
         return None
-    g = F.pad(grad_out, (fw, bw, fh, bh)) if fh or bh or fw or bw else grad_out
-    g = sum_windows(sum_windows(g, mh, 2), mw, 3)  # g[.., r, c]: sum of the m×m window at (r, c)
+    # g[.., r, c]: sum of the m×m window at (r, c) of grad_out zero-padded by (front, back)
+    g = sum_windows(sum_windows(grad_out, mh, 2, fh, bh), mw, 3, fw, bw)
     if groups > 1 or n * hb * wb >= SWAPPED_CONV_MIN_BLOCKS_PER_CHANNEL * ipg:
         return _weight_grad_swapped_conv(g, pooled, weight, groups, rows, cols, (mh, mw))
     # win[n, o, b, b', j, j'] = g[n, o, b·mh + r0 + j, b'·mw + c0 + j']: per read offset (j, j'),
@@ -307,14 +307,43 @@ def _tap_reads(taps: int, k: int, s: int, d: int, pad: int, size_out: int, block
     return [front - qt for qt in q], (front, back), m
 
 
-def sum_windows(x: Tensor, m: int, dim: int) -> Tensor:
-    """Sums of every ``m`` consecutive entries along ``dim`` (stride 1: size - m + 1 of them)."""
-    if m == 1:
+# Below this many elements a padded copy (one op) is cheaper than edge sums (a few small ops each);
+# above it the fresh padded buffer's page faults and fill cost more (CPU, resnet18 / resnet20).
+PAD_COPY_MAX_ELEMENTS = 2**20
+
+
+def sum_windows(x: Tensor, m: int, dim: int, front: int = 0, back: int = 0) -> Tensor:
+    """Sums of every ``m`` consecutive entries along ``dim`` of x zero-padded by ``front`` and
+    ``back`` entries (stride 1: size + front + back - m + 1 of them). The padding is never
+    materialized: one fresh tensor (a padded copy costs an allocation, a fill and a copy, and
+    fresh large buffers cost page faults)."""
+    if (front or back) and x.numel() < PAD_COPY_MAX_ELEMENTS:  # small: fewer ops beat fewer buffers
+        x = F.pad(x, [0, 0] * (x.dim() - 1 - dim) + [front, back])
+        front = back = 0
+    size = x.shape[dim]
+    count = size + front + back - m + 1
+    if m == 1 and not (front or back):
         return x
-    size = x.shape[dim] - m + 1
-    out = x.narrow(dim, 0, size) + x.narrow(dim, 1, size)
-    for j in range(2, m):
-        out += x.narrow(dim, j, size)
+    out_shape = list(x.shape)
+    out_shape[dim] = count
+    out = torch.empty(out_shape, dtype=x.dtype, device=x.device, memory_format=format_of(x))
+    # sums r with all m terms inside x: r in [front, size + front - m + 1)
+    lo, hi = min(front, count), max(min(front, count), min(size + front - m + 1, count))
+    if hi > lo:
+        inner = out.narrow(dim, lo, hi - lo)
+        if m == 1:
+            inner.copy_(x.narrow(dim, lo - front, hi - lo))
+        else:
+            torch.add(x.narrow(dim, lo - front, hi - lo), x.narrow(dim, lo - front + 1, hi - lo), out=inner)
+            for j in range(2, m):
+                inner += x.narrow(dim, lo - front + j, hi - lo)
+    for r in [*range(lo), *range(hi, count)]:  # edge sums: the terms that fall inside x
+        first, last = max(0, r - front), min(size, r - front + m)
+        edge = out.narrow(dim, r, 1)
+        if last > first:
+            torch.sum(x.narrow(dim, first, last - first), dim, keepdim=True, out=edge)
+        else:
+            edge.zero_()
     return out
 
 
