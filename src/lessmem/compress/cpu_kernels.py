@@ -54,8 +54,8 @@ constexpr uint64_t SPREAD = 0x0101010101010101ULL;
 constexpr uint64_t SELECT = 0x8040201008040201ULL;  // lane i keeps bit i
 
 template <typename scalar_t>
-void clamp_pack_chunk(const scalar_t* xs, scalar_t* ys, uint8_t* bs, int64_t len, scalar_t lo_s,
-                      scalar_t hi_s, bool has_hi) {
+void clamp_pack_scalar(const scalar_t* xs, scalar_t* ys, uint8_t* bs, int64_t len, scalar_t lo_s,
+                       scalar_t hi_s, bool has_hi) {
   alignas(64) uint8_t flag[CHUNK];
   if (has_hi) {
     for (int64_t i = 0; i < len; ++i) {
@@ -82,6 +82,12 @@ void clamp_pack_chunk(const scalar_t* xs, scalar_t* ys, uint8_t* bs, int64_t len
   }
 }
 
+template <typename scalar_t>
+void clamp_pack_chunk(const scalar_t* xs, scalar_t* ys, uint8_t* bs, int64_t len, scalar_t lo_s,
+                      scalar_t hi_s, bool has_hi) {
+  clamp_pack_scalar(xs, ys, bs, len, lo_s, hi_s, has_hi);
+}
+
 #if defined(__AVX2__)
 template <>
 void clamp_pack_chunk<float>(const float* xs, float* ys, uint8_t* bs, int64_t len, float lo_s,
@@ -98,17 +104,8 @@ void clamp_pack_chunk<float>(const float* xs, float* ys, uint8_t* bs, int64_t le
     _mm256_storeu_ps(ys + i, t);
     bs[i / 8] = static_cast<uint8_t>(_mm256_movemask_ps(pass));
   }
-  if (vec < len) {
-    uint8_t byte = 0;
-    for (int64_t i = vec; i < len; ++i) {
-      float t = xs[i];
-      t = t < lo_s ? lo_s : t;
-      if (has_hi) t = t > hi_s ? hi_s : t;
-      ys[i] = t;
-      byte |= static_cast<uint8_t>((t > lo_s) && (!has_hi || t < hi_s)) << (i - vec);
-    }
-    bs[vec / 8] = byte;
-  }
+  // the last < 8 elements (vec is a multiple of 8: their bits start a fresh byte)
+  if (vec < len) clamp_pack_scalar(xs + vec, ys + vec, bs + vec / 8, len - vec, lo_s, hi_s, has_hi);
 }
 #endif
 
@@ -134,7 +131,7 @@ at::Tensor clamp_pack(at::Tensor x, at::Tensor y, double lo, double hi, bool has
 }
 
 template <typename scalar_t>
-void masked_grad_chunk(const scalar_t* gs, const uint8_t* bs, scalar_t* os, int64_t len) {
+void masked_grad_scalar(const scalar_t* gs, const uint8_t* bs, scalar_t* os, int64_t len) {
   alignas(64) uint8_t flag[CHUNK];
   const int64_t full = (len + 7) / 8;
   for (int64_t b = 0; b < full; ++b) {
@@ -147,6 +144,11 @@ void masked_grad_chunk(const scalar_t* gs, const uint8_t* bs, scalar_t* os, int6
   }
 }
 
+template <typename scalar_t>
+void masked_grad_chunk(const scalar_t* gs, const uint8_t* bs, scalar_t* os, int64_t len) {
+  masked_grad_scalar(gs, bs, os, len);
+}
+
 #if defined(__AVX2__)
 template <>
 void masked_grad_chunk<float>(const float* gs, const uint8_t* bs, float* os, int64_t len) {
@@ -157,9 +159,7 @@ void masked_grad_chunk<float>(const float* gs, const uint8_t* bs, float* os, int
     const __m256i keep = _mm256_cmpeq_epi32(_mm256_and_si256(byte, lane_bit), lane_bit);
     _mm256_storeu_ps(os + i, _mm256_and_ps(_mm256_loadu_ps(gs + i), _mm256_castsi256_ps(keep)));
   }
-  for (int64_t i = vec; i < len; ++i) {
-    os[i] = (bs[i / 8] >> (i % 8)) & 1 ? gs[i] : 0.0f;
-  }
+  if (vec < len) masked_grad_scalar(gs + vec, bs + vec / 8, os + vec, len - vec);
 }
 #endif
 

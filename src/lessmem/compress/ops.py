@@ -230,8 +230,9 @@ def _block_weight_grad(grad_out, pooled, shape, weight, stride, padding, dilatio
         return None
     # g[.., r, c]: sum of the m×m window at (r, c) of grad_out zero-padded by (front, back)
     g = sum_windows(sum_windows(grad_out, mh, 2, fh, bh), mw, 3, fw, bw)
+    taps = [(r - r0) * sw + c - c0 for r in rows for c in cols]  # tap -> its read offset
     if groups > 1 or n * hb * wb >= SWAPPED_CONV_MIN_BLOCKS_PER_CHANNEL * ipg:
-        return _weight_grad_swapped_conv(g, pooled, weight, groups, rows, cols, (mh, mw))
+        return _weight_grad_swapped_conv(g, pooled, weight, groups, (r0, c0), (sh, sw), taps, (mh, mw))
     # win[n, o, b, b', j, j'] = g[n, o, b·mh + r0 + j, b'·mw + c0 + j']: per read offset (j, j'),
     # the gradient sums that meet block (b, b')
     win = g[:, :, r0:, c0:].unfold(2, sh, mh)[:, :, :hb].unfold(3, sw, mw)[:, :, :, :wb]
@@ -242,7 +243,6 @@ def _block_weight_grad(grad_out, pooled, shape, weight, stride, padding, dilatio
         per_offset = win.permute(0, 2, 3, 4, 5, 1).reshape(blocks, offsets * o).t() @ means
     else:
         per_offset = win.permute(4, 5, 1, 0, 2, 3).reshape(offsets * o, blocks) @ means
-    taps = [(r - r0) * sw + c - c0 for r in rows for c in cols]
     gw = per_offset.reshape(offsets, o * ipg).index_select(0, torch.tensor(taps, device=g.device))
     return gw.view(kh, kw, o, ipg).permute(2, 3, 0, 1).contiguous(memory_format=format_of(weight))
 
@@ -253,26 +253,25 @@ def _block_weight_grad(grad_out, pooled, shape, weight, stride, padding, dilatio
 SWAPPED_CONV_MIN_BLOCKS_PER_CHANNEL = 16
 
 
-def _weight_grad_swapped_conv(g, pooled, weight, groups, rows, cols, m: Pair):
+def _weight_grad_swapped_conv(g, pooled, weight, groups, origin: Pair, span: Pair, taps: list[int], m: Pair):
     """m > 1: gw[o, i, t] = sum over blocks b of g[o, b·m + start_t] · means[i, b] is the weight
     gradient of a stride-m conv with the roles swapped (window sums ``g`` as the input, block
-    means as the output gradient, same groups), taps = the distinct read offsets; it comes out
-    (in, out)-major per group and is transposed."""
-    r0, c0 = min(rows), min(cols)
-    sh, sw = max(rows) - r0 + 1, max(cols) - c0 + 1
+    means as the output gradient, same groups) over the span × span distinct read offsets from
+    ``origin``; ``taps`` maps each tap to its offset. It comes out (in, out)-major per group and
+    is transposed."""
+    (r0, c0), (sh, sw) = origin, span
     hb, wb = pooled.shape[2:]
-    o, ipg = weight.shape[:2]
+    o, ipg, kh, kw = weight.shape
     g = g[:, :, r0: r0 + (hb - 1) * m[0] + sh, c0: c0 + (wb - 1) * m[1] + sw]
     swapped = torch.ops.aten.convolution_backward(
         pooled, g, weight.new_empty(()).expand(groups * ipg, o // groups, sh, sw), None,
         m, (0, 0), (1, 1), False, [0, 0], groups, [False, True, False])[1]
     gw = swapped.view(groups, ipg, o // groups, sh * sw).transpose(1, 2)
-    taps = [(r - r0) * sw + c - c0 for r in rows for c in cols]
     if taps != list(range(sh * sw)):
         # one gather (offsets run backwards over the taps, and taps share them when stride > 1);
         # it writes a fresh contiguous (groups, out, in, taps) tensor: the transpose comes free
         gw = gw.index_select(3, torch.tensor(taps, device=g.device))
-    return gw.reshape(o, ipg, len(rows), len(cols)).contiguous(memory_format=format_of(weight))
+    return gw.reshape(o, ipg, kh, kw).contiguous(memory_format=format_of(weight))
 
 
 def _weight_grad_block_shifts(grad_out, pooled, weight, groups, rows, cols, fh, fw):
@@ -314,9 +313,10 @@ PAD_COPY_MAX_ELEMENTS = 2**20
 
 def sum_windows(x: Tensor, m: int, dim: int, front: int = 0, back: int = 0) -> Tensor:
     """Sums of every ``m`` consecutive entries along ``dim`` of x zero-padded by ``front`` and
-    ``back`` entries (stride 1: size + front + back - m + 1 of them). The padding is never
-    materialized: one fresh tensor (a padded copy costs an allocation, a fill and a copy, and
-    fresh large buffers cost page faults)."""
+    ``back`` entries (stride 1: size + front + back - m + 1 of them). Large inputs never
+    materialize the padding (a padded copy costs an allocation, a fill and a copy, and fresh
+    large buffers cost page faults): the edge sums are taken from the entries inside x. Small
+    ones are padded first, which is fewer ops."""
     if (front or back) and x.numel() < PAD_COPY_MAX_ELEMENTS:  # small: fewer ops beat fewer buffers
         x = F.pad(x, [0, 0] * (x.dim() - 1 - dim) + [front, back])
         front = back = 0
