@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
-from lessmem import report as R
+from lessmem import reporting as R
 
 REPO = Path(__file__).resolve().parents[1]
 # Paper (Barley & Fröning, arXiv 2409.11902), ResNet18: total peak GPU memory and top-1.
 PAPER = {"2x2": {"peak_reduction": 0.29}, "4x4": {"peak_reduction": 0.36}, "top1_gap_2x2": 0.013}
 CIFAR_DIR = "multirun/cifar10_resnet20_4ep"
-CIFAR_CMD = ("for c in none pool2 pool4; do OMP_NUM_THREADS=1 python -m lessmem.train compression=$c epochs=4 batch_size=128 "
+CIFAR_CMD = ("for c in none pool2 pool4; do OMP_NUM_THREADS=1 python -m lessmem.cli.train compression=$c epochs=4 batch_size=128 "
              "device=cpu logger=csv hydra.run.dir=multirun/cifar10_resnet20_4ep/$c & done; wait")
 
 
@@ -285,7 +285,7 @@ def build(args: argparse.Namespace) -> str:
         "`logger=wandb` logs a `tradeoff/table` row, a memory-vs-accuracy scatter and its accuracy-curve "
         "figure at the end; `python analysis/wandb_log.py <sweep-or-search-dir>` logs the whole table, "
         "scatter, Pareto table/line and figure as one run; for Hydra multiruns add "
-        "`+hydra.callbacks.tradeoff._target_=lessmem.report.WandbSweepCallback` to do that (and "
+        "`+hydra.callbacks.tradeoff._target_=lessmem.reporting.WandbSweepCallback` to do that (and "
         "`<sweep>/report/`) automatically at the end.",
         "",
         "## Pending",

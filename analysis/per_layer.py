@@ -14,7 +14,7 @@ import argparse
 import csv
 from pathlib import Path
 
-from lessmem.report import MiB, per_layer_memory, plot_per_layer
+from lessmem.reporting import MiB, per_layer_memory, plot_per_layer
 
 
 def parse_map(items: list[str]) -> dict[str, int]:

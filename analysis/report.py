@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lessmem.report import report_dir
+from lessmem.reporting import report_dir
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@
 Logs a wandb.Table (one row per configuration: map, kernels, saved bytes, peak, ratio, top-1,
 top-5, train time), a memory-vs-accuracy scatter, the Pareto front (table + line) and the
 matplotlib figure. Hydra multiruns can do this automatically at the end with
-`+hydra.callbacks.tradeoff._target_=lessmem.report.WandbSweepCallback`.
+`+hydra.callbacks.tradeoff._target_=lessmem.reporting.WandbSweepCallback`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lessmem.report import log_dir_to_wandb
+from lessmem.reporting import log_dir_to_wandb
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,9 +13,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 from PIL import Image
 
-from lessmem import report as R
-from lessmem.paths import conf_dir
-from lessmem.train import run
+from lessmem import reporting as R
+from lessmem.experiment.paths import conf_dir
+from lessmem.experiment.train import run
 
 REPO = Path(__file__).parents[1]
 ANALYSIS = REPO / "analysis"
@@ -153,7 +153,7 @@ class FakeRun:
 def test_wandb_results_table_columns(sweep: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import wandb
 
-    from lessmem.loggers import WandbLogger
+    from lessmem.experiment.loggers import WandbLogger
 
     tables, scatters, lines = [], [], []
 
@@ -229,13 +229,15 @@ def test_make_results_handles_missing_and_present(sweep: Path, tmp_path: Path) -
 
 
 def test_hydra_sweep_callback(sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``+hydra.callbacks.tradeoff._target_=lessmem.report.WandbSweepCallback``: at the end of a
+    """``+hydra.callbacks.tradeoff._target_=lessmem.reporting.WandbSweepCallback``: at the end of a
     multirun, one offline W&B run with the sweep table and the report files."""
     from omegaconf import OmegaConf
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     logged = []
-    monkeypatch.setattr(R, "log_dir_to_wandb", lambda root, **kw: logged.append((Path(root), kw)) or {})
+    import lessmem.reporting.report as report_module
+
+    monkeypatch.setattr(report_module, "log_dir_to_wandb", lambda root, **kw: logged.append((Path(root), kw)) or {})
     R.WandbSweepCallback().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
     assert logged == [(sweep, {"project": "lessmem", "mode": "offline"})]
     valid_png(sweep / "report" / "memory_vs_accuracy.png")

@@ -9,11 +9,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from lessmem.config import build_optimizer, build_scheduler, compression_map
-from lessmem.data import build_datasets, build_loaders
-from lessmem.loggers import CsvLogger, Logger, build_logger
+from lessmem.experiment.config import build_optimizer, build_scheduler, compression_map
+from lessmem.experiment.data import build_datasets, build_loaders
+from lessmem.experiment.loggers import CsvLogger, Logger, build_logger
+from lessmem.experiment.paths import conf_dir
 from lessmem.models import MODELS, build_model
-from lessmem.paths import conf_dir
 
 CONF = conf_dir()
 CIFAR = Path(__file__).parents[1].parent / "shared/data/cifar10"
@@ -211,7 +211,7 @@ def test_configs_ship_in_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_lessmem_info_lists_choices(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from lessmem.info import main
+    from lessmem.cli.info import main
 
     assert main([]) == 0
     out = capsys.readouterr().out

@@ -67,7 +67,7 @@ def test_functional_calls_are_listed():
 def test_coverage_cli_writes_table_csv_json_png(tmp_path, capsys):
     from PIL import Image
 
-    from lessmem.coverage_cli import main
+    from lessmem.cli.coverage import main
 
     out = tmp_path / "cov"
     assert main(["model=resnet20", "compression=pool4", "dataset=synthetic",

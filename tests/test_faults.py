@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lessmem.train import TIME_KEYS
+from lessmem.experiment.train import TIME_KEYS
 
 # 64 training images = 2 steps of 32 per epoch, 3 epochs: a few seconds per run on one core.
 TINY = ["model=resnet20", "compression=pool2", "dataset=synthetic", "dataset.size=64",
@@ -39,7 +39,7 @@ def _env(fault: str | None = None) -> dict[str, str]:
 
 def _train_cmd() -> list[str]:
     exe = shutil.which("lessmem-train")  # the console entry itself when installed
-    return [exe] if exe else [sys.executable, "-m", "lessmem.train"]
+    return [exe] if exe else [sys.executable, "-m", "lessmem.cli.train"]
 
 
 def _train(out: Path, *args: str, fault: str | None = None) -> subprocess.CompletedProcess:
@@ -112,7 +112,7 @@ def test_search_worker_killed_mid_trial_then_rerun(tmp_path: Path) -> None:
             "groups": ["conv1", "layer1.*", "layer2.*", "layer3.*"], "poll_s": 0.5,
             "sensitivity": {"batches": 1, "batch_size": 8}, "base_overrides": base}
     args = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in opts.items()]
-    cmd = [sys.executable, "-m", "lessmem.search", "--worker", *args]
+    cmd = [sys.executable, "-m", "lessmem.cli.search", "--worker", *args]
     journal = tmp_path / "s" / "study.journal"
 
     killed = subprocess.run(cmd, cwd=tmp_path, env=_env("train_step:1"), capture_output=True,

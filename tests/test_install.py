@@ -39,7 +39,7 @@ def test_wheel_install_finds_configs_from_anywhere(tmp_path: Path) -> None:
 
     elsewhere = tmp_path / "elsewhere"  # no conf/ here or above
     elsewhere.mkdir()
-    where = _run([str(bin_dir / "python"), "-c", "import json, lessmem, lessmem.paths as p; "
+    where = _run([str(bin_dir / "python"), "-c", "import json, lessmem, lessmem.experiment.paths as p; "
                   "print(json.dumps([lessmem.__file__, str(p.conf_dir())]))"], elsewhere, env)
     module, conf = json.loads(where.stdout)
     assert Path(module).is_relative_to(venv) and Path(conf).is_relative_to(venv)

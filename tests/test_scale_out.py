@@ -39,7 +39,7 @@ def _run(cmd: list[str], cwd: Path, timeout: int = 240) -> subprocess.CompletedP
 
 def test_joblib_multirun_two_parallel_jobs(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
-    _run([sys.executable, "-m", "lessmem.train", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+    _run([sys.executable, "-m", "lessmem.cli.train", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
           "compression=none,pool2", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path)
     results = sorted(sweep.glob("*/metrics.json"))
     assert len(results) == 2
@@ -48,7 +48,7 @@ def test_joblib_multirun_two_parallel_jobs(tmp_path: Path) -> None:
 
 def test_submitit_local_job(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
-    _run([sys.executable, "-m", "lessmem.train", "-m", "hydra/launcher=submitit_local",
+    _run([sys.executable, "-m", "lessmem.cli.train", "-m", "hydra/launcher=submitit_local",
           "hydra.launcher.timeout_min=5", "compression=pool2", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path)
     results = list(sweep.glob("*/metrics.json"))
     assert len(results) == 1 and json.loads(results[0].read_text())["compression"] == "pool2"
@@ -59,7 +59,7 @@ def test_launcher_and_grid_configs_compose(tmp_path: Path) -> None:
     """The SLURM presets and the grid sweep file resolve (nothing is submitted)."""
     from hydra import compose, initialize_config_dir
 
-    from lessmem.paths import conf_dir
+    from lessmem.experiment.paths import conf_dir
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = compose("train", overrides=["hydra/launcher=slurm_gpu", "hydra.launcher.partition=gpu"],
@@ -68,7 +68,7 @@ def test_launcher_and_grid_configs_compose(tmp_path: Path) -> None:
     assert launcher._target_.endswith("SlurmLauncher") and launcher.partition == "gpu"
     assert launcher.gpus_per_node == 1 and launcher.timeout_min > 0
     assert "distributed" in cfg and cfg.sync_bn is False
-    proc = _run([sys.executable, "-m", "lessmem.train", "-cd", str(REPO / "sweeps"), "-cn",
+    proc = _run([sys.executable, "-m", "lessmem.cli.train", "-cd", str(REPO / "sweeps"), "-cn",
                  "grid_cifar", "--cfg", "hydra", "-p", "hydra.sweeper.params"], tmp_path, timeout=120)
     for key in ("model:", "compression:", "seed:"):
         assert key in proc.stdout, proc.stdout
@@ -78,9 +78,9 @@ def test_launcher_and_grid_configs_compose(tmp_path: Path) -> None:
 def test_torchrun_two_ranks_equal_one_process_double_batch(tmp_path: Path) -> None:
     """2 gloo ranks with batch 4 each == 1 process with batch 8 (compressed layers on, augmentation
     on, SGD with momentum, 2 steps); only rank 0 writes files."""
-    _run([sys.executable, "-m", "lessmem.train", *TINY_VIT, "batch_size=8", f"out_dir={tmp_path / 'one'}",
+    _run([sys.executable, "-m", "lessmem.cli.train", *TINY_VIT, "batch_size=8", f"out_dir={tmp_path / 'one'}",
           f"hydra.run.dir={tmp_path / 'h1'}"], tmp_path)
-    _run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "lessmem.train", *TINY_VIT, "batch_size=4",
+    _run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "lessmem.cli.train", *TINY_VIT, "batch_size=4",
           f"out_dir={tmp_path / 'two'}", f"hydra.run.dir={tmp_path / 'h2'}"], tmp_path)
     one = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)
     two = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)
@@ -96,7 +96,7 @@ def test_torchrun_two_ranks_equal_one_process_double_batch(tmp_path: Path) -> No
 
 
 def test_tensor_loader_shards_equal_global_batch() -> None:
-    from lessmem.data import TensorImages, TensorLoader
+    from lessmem.experiment.data import TensorImages, TensorLoader
 
     g = torch.Generator().manual_seed(0)
     data = TensorImages(torch.randint(0, 255, (20, 3, 8, 8), generator=g, dtype=torch.uint8),
@@ -134,7 +134,7 @@ def test_two_search_workers_share_fixed_trial_count(tmp_path: Path) -> None:
 
     out, n = tmp_path / "s", 10
     args = _search_args(out, str(out / "study.journal"), n)
-    cmd = [sys.executable, "-m", "lessmem.search", "--worker", *args]
+    cmd = [sys.executable, "-m", "lessmem.cli.search", "--worker", *args]
     procs = [subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
     for p in procs:
@@ -182,8 +182,8 @@ def test_sync_bn_on_cpu_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's SyncBatchNorm is CUDA-only: sync_bn=true with several CPU ranks fails up front."""
     from hydra import compose, initialize_config_dir
 
-    from lessmem.config import validate
-    from lessmem.paths import conf_dir
+    from lessmem.experiment.config import validate
+    from lessmem.experiment.paths import conf_dir
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = compose("train", overrides=["sync_bn=true", "device=cpu"])

@@ -78,7 +78,7 @@ class _PruneFromTrial1(optuna.pruners.BasePruner):
 
 
 def test_accuracy_search_prunes_per_epoch(tmp_path, monkeypatch) -> None:
-    import lessmem.search as search
+    import lessmem.search.search as search
 
     monkeypatch.setattr(search, "make_pruner", lambda pcfg: _PruneFromTrial1())
     s = sweep(tmp_path, n_trials=2, mode="budget", objective="accuracy", budget=0.3,

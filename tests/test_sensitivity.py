@@ -12,7 +12,7 @@ from PIL import Image
 from torch import nn
 
 import lessmem
-from lessmem.sensitivity import SensitivityResult, sensitivity, write_map_yaml
+from lessmem.layer_sensitivity import SensitivityResult, sensitivity, write_map_yaml
 
 
 class Block(nn.Module):

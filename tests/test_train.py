@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-import lessmem.train as train_mod
-from lessmem.paths import conf_dir
-from lessmem.train import TIME_KEYS, run
+import lessmem.experiment.train as train_mod
+from lessmem.experiment.paths import conf_dir
+from lessmem.experiment.train import TIME_KEYS, run
 
 REPO = Path(__file__).parents[1]
 CIFAR = Path(__file__).parents[1].parent / "shared/data/cifar10"
@@ -147,7 +147,7 @@ def test_bf16_and_map_file(tmp_path: Path) -> None:
 
 def _cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_MODE": "disabled", "HYDRA_FULL_ERROR": "1"}
-    return subprocess.run([sys.executable, "-m", "lessmem.train", *args], cwd=tmp_path, env=env,
+    return subprocess.run([sys.executable, "-m", "lessmem.cli.train", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -190,7 +190,7 @@ def test_wandb_offline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_coverage_report_written_and_logged_as_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lessmem.loggers import WandbLogger
+    from lessmem.experiment.loggers import WandbLogger
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))

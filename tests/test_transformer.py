@@ -13,9 +13,9 @@ from torch import nn
 from torchvision.models.vision_transformer import EncoderBlock
 
 import lessmem
-from lessmem.compress import compressed_layers, compressible_layers
-from lessmem.compress.transformer import CompressedMultiheadAttention, PackedDropout
-from lessmem.vit import vit_tiny_cifar
+from lessmem.core import compressed_layers, compressible_layers
+from lessmem.core.transformer import CompressedMultiheadAttention, PackedDropout
+from lessmem.models.vit import vit_tiny_cifar
 
 # Small sizes: tokens not divisible by 2 or 4, so the partial last group is exercised.
 B, T, E, HEADS, MLP = 3, 7, 16, 4, 32

@@ -14,8 +14,8 @@ pytest.importorskip("triton")
 
 SCRIPT = textwrap.dedent("""
     import torch
-    from lessmem.compress import triton_kernels
-    from lessmem.compress.ops import MaskedActivationFunction, pack_bits
+    from lessmem.core.kernels import triton as triton_kernels
+    from lessmem.core.ops import MaskedActivationFunction, pack_bits
     assert triton_kernels.enabled_for(torch.zeros(1))
     torch.manual_seed(0)
     for cl in (False, True):
@@ -55,7 +55,7 @@ def test_triton_mask_kernels_match_reference() -> None:
 def test_cpu_tensors_use_the_torch_reference_by_default() -> None:
     import torch
 
-    from lessmem.compress import triton_kernels
+    from lessmem.core.kernels import triton as triton_kernels
 
     if os.environ.get("LESSMEM_TRITON") == "1":
         pytest.skip("LESSMEM_TRITON=1 forces the kernels")
@@ -67,8 +67,8 @@ def test_fused_cpu_kernels_match_reference(monkeypatch) -> None:
     gradients, contiguous and channels-last, ReLU and Hardtanh, in place or not."""
     import torch
 
-    from lessmem.compress import cpu_kernels
-    from lessmem.compress.ops import MaskedActivationFunction, pack_bits
+    from lessmem.core.kernels import cpu as cpu_kernels
+    from lessmem.core.ops import MaskedActivationFunction, pack_bits
 
     if not cpu_kernels.enabled_for(torch.zeros(1)):
         pytest.skip("no C++ compiler here: the torch reference is used")
@@ -97,7 +97,8 @@ def test_fused_cpu_block_pooling_equals_reference(monkeypatch) -> None:
     contiguous and channels-last, square and oblong blocks, same layout out."""
     import torch
 
-    from lessmem.compress import cpu_kernels, ops
+    from lessmem.core import ops
+    from lessmem.core.kernels import cpu as cpu_kernels
 
     if not cpu_kernels.enabled_for(torch.zeros(1)):
         pytest.skip("no C++ compiler here: the torch reference is used")

@@ -1,30 +1,35 @@
 """lessmem: train neural networks with compressed activations.
 
-The core is ``lessmem.compress`` (torch only). The experiment framework (Hydra, Optuna, W&B) lives
-in ``lessmem.train``, ``lessmem.sensitivity`` and ``lessmem.search`` and is imported on demand.
+The library (torch only): ``compress``, ``uncompress``, ``measure_memory``, ``coverage`` and
+``sensitivity`` below. The experiment framework (Hydra, Optuna, W&B) is built on it in
+``lessmem.experiment``, ``lessmem.search``, ``lessmem.reporting`` and ``lessmem.cli``; see
+docs/architecture.md for the layers and the one direction their imports run.
 """
 
-from lessmem import compress  # callable module: lessmem.compress(model, mapping)
-from lessmem.compress import (
+from lessmem.core import (
     CoverageReport,
     LayerSpec,
     MemoryReport,
+    compress,
     compressed_layers,
     compressible_layers,
     coverage,
     measure_memory,
     uncompress,
 )
+from lessmem.layer_sensitivity import SensitivityResult, sensitivity
 
 __version__ = "0.1.0"
 __all__ = [
     "CoverageReport",
     "LayerSpec",
     "MemoryReport",
+    "SensitivityResult",
     "compress",
     "compressed_layers",
     "compressible_layers",
     "coverage",
     "measure_memory",
+    "sensitivity",
     "uncompress",
 ]

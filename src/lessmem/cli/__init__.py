@@ -1,0 +1,1 @@
+"""Console entry points; the only place ``main`` functions live."""

@@ -1,0 +1,114 @@
+"""``lessmem-info``: what there is to choose from, and where configs and data are looked for.
+
+    lessmem-info                 # everything
+    lessmem-info compression     # one config group (model, compression, dataset, optimizer, ...)
+    lessmem-info --json          # machine-readable
+
+Lists the model architectures of the registry (``lessmem.models.MODELS``, ``model.name=...``)
+and every option of each config group (``GROUP=OPTION`` on the ``lessmem-train`` command line)
+with the first line of its comment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lessmem.experiment.paths import conf_dir, resolve_path
+
+GROUPS = ("model", "compression", "dataset", "optimizer", "scheduler", "logger", "experiment",
+          "hydra/launcher")
+
+
+def _describe(path: Path) -> str:
+    """First comment line of a config file (``# @package`` lines skipped)."""
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line.startswith("#"):
+            break
+        text = line.lstrip("#").strip()
+        if text and not text.startswith("@package"):
+            return text
+    return ""
+
+
+def config_options(conf: Path | None = None) -> dict[str, dict[str, str]]:
+    """``{group: {option: description}}`` of the config directory."""
+    conf = conf or conf_dir()
+    out: dict[str, dict[str, str]] = {}
+    for group in GROUPS:
+        folder = conf / group
+        if folder.is_dir():
+            out[group] = {p.stem: _describe(p) for p in sorted(folder.glob("*.yaml"))}
+    return out
+
+
+def available() -> dict[str, Any]:
+    from lessmem import __version__
+    from lessmem.models import MODELS
+
+    data_env = os.environ.get("LESSMEM_DATA")
+    cifar = resolve_path(f"{data_env or '../shared/data'}/cifar10")
+    return {
+        "version": __version__,
+        "conf_dir": str(conf_dir()),
+        "conf_from_env": bool(os.environ.get("LESSMEM_CONF")),
+        "cifar10_root": str(cifar),
+        "cifar10_found": (cifar / "train").is_dir(),
+        "architectures": sorted(MODELS),
+        "groups": config_options(),
+    }
+
+
+def render(info: dict[str, Any], groups: Sequence[str] = ()) -> str:
+    lines = []
+    if not groups:
+        where = "$LESSMEM_CONF" if info["conf_from_env"] else "package; LESSMEM_CONF=DIR overrides"
+        found = "found" if info["cifar10_found"] else (
+            "missing: set dataset.root=... or LESSMEM_DATA=..., or dataset.download=true with internet")
+        lines += [
+            f"lessmem {info['version']}",
+            f"configs:  {info['conf_dir']} ({where})",
+            f"CIFAR-10: {info['cifar10_root']} ({found})",
+            "",
+            f"model architectures (model.name=...): {', '.join(info['architectures'])}",
+            "",
+            "config groups (GROUP=OPTION on the lessmem-train command line):",
+        ]
+    for group, options in info["groups"].items():
+        if groups and group not in groups:
+            continue
+        lines.append(f"  {group}:")
+        width = max((len(o) for o in options), default=0)
+        lines += [f"    {o.ljust(width)}  {d}".rstrip() for o, d in options.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lessmem-info", description="List models, compression presets, datasets, optimizers, "
+        "schedulers, loggers, experiments and launchers; show where configs and data are found.")
+    parser.add_argument("groups", nargs="*", metavar="GROUP", help=f"only these groups: {', '.join(GROUPS)}")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    unknown = [g for g in args.groups if g not in GROUPS]
+    if unknown:
+        print(f"lessmem-info: error: unknown group(s) {unknown}; groups: {', '.join(GROUPS)}", file=sys.stderr)
+        return 2
+    info = available()
+    if args.json:
+        if args.groups:
+            info["groups"] = {g: o for g, o in info["groups"].items() if g in args.groups}
+        print(json.dumps(info, indent=1))
+    else:
+        print(render(info, args.groups))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

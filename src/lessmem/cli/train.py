@@ -1,0 +1,42 @@
+"""``lessmem-train`` (``python -m lessmem.cli.train``): one run, or a sweep with ``-m``."""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from lessmem.cli.errors import exit_on_user_error, hydra_entry
+from lessmem.experiment.paths import conf_dir
+
+CONF_DIR = str(conf_dir())
+
+
+@hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
+def _train(cfg: DictConfig) -> float:
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from lessmem.experiment.train import run
+
+    if not cfg.get("out_dir"):
+        OmegaConf.set_struct(cfg, False)
+        cfg.out_dir = HydraConfig.get().runtime.output_dir
+    with exit_on_user_error("lessmem-train"):
+        m = run(cfg)
+    print(
+        f"{m['model']} / {m['compression']}: top1 {m['final_top1']:.4f} (best {m['best_top1']:.4f} "
+        f"@ epoch {m['best_epoch']}), saved {m['saved_bytes'] / 2**20:.2f} MiB vs stock "
+        f"{m['stock_saved_bytes'] / 2**20:.2f} MiB (ratio {m['ratio']:.3f}), "
+        f"{m['train_time_s']:.1f}s -> {cfg.out_dir}"
+    )
+    return float(m["final_top1"])  # for Hydra sweepers that optimize the return value
+
+
+def train_main() -> None:
+    """``lessmem-train`` / ``python -m lessmem.cli.train``: one run (or a sweep with ``-m``); Hydra
+    arguments. Bad settings, missing data or an unreadable checkpoint: one error line, exit 2."""
+    hydra_entry("lessmem-train", _train)
+
+
+if __name__ == "__main__":
+    train_main()

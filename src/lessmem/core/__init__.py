@@ -1,0 +1,31 @@
+"""The core: compressed activations for any ``nn.Module`` (torch only, no Hydra).
+
+    from lessmem.core import compress, measure_memory, uncompress
+    compress(model, {"layer1.*": 4, "*": 2})   # fnmatch patterns on module names; first match wins
+    report = measure_memory(model, images)
+    uncompress(model)
+
+Other layers use the core through the names exported here.
+"""
+
+from lessmem.core.compress import compress, compressed_layers, uncompress
+from lessmem.core.coverage import CoverageReport, coverage
+from lessmem.core.mapping import compressible_layers, parse_spec, resolve_mapping
+from lessmem.core.memory import MemoryReport, measure_memory
+from lessmem.core.modules import LayerSpec
+from lessmem.core.storage import STORAGES
+
+__all__ = [
+    "STORAGES",
+    "CoverageReport",
+    "LayerSpec",
+    "MemoryReport",
+    "compress",
+    "compressed_layers",
+    "compressible_layers",
+    "coverage",
+    "measure_memory",
+    "parse_spec",
+    "resolve_mapping",
+    "uncompress",
+]

@@ -1,0 +1,124 @@
+"""Swap a model's layers for compressed ones in place (``compress``) and back (``uncompress``);
+the swapped modules keep their parameters, so ``state_dict`` keys never change."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from lessmem.core import custom_ops  # noqa: F401  (registers torch.ops.lessmem.*)
+from lessmem.core.mapping import resolve_mapping
+from lessmem.core.modules import (
+    COMPRESSIBLE,
+    EXACT_COMPANIONS,
+    STOCK_OF,
+    STORED_ACTIVATIONS,
+    LayerSpec,
+    StoredBatchNorm2d,
+)
+from lessmem.core.storage import check_storage
+
+_ORIGINAL = "_lessmem_original_class"
+
+
+def _swap(module: nn.Module, new_cls: type[nn.Module]) -> None:
+    if not hasattr(module, _ORIGINAL):
+        object.__setattr__(module, _ORIGINAL, type(module))
+    module.__class__ = new_cls
+
+
+def compress(
+    model: nn.Module,
+    mapping: Mapping[str, Any] | None,
+    *,
+    exact_companions: bool = True,
+    norm_storage: str | Mapping[str, str] = "native",
+    act_storage: str | Mapping[str, str] = "native",
+) -> nn.Module:
+    """Compress ``model`` in place and return it.
+
+    mapping: ordered ``{fnmatch pattern on named_modules() names: kernel}``; kernel is ``k``,
+        ``[kh, kw]`` or ``{"kernel": k, "storage": "bf16"|"int8"}``. ``1`` keeps the stock layer
+        (bit-identical). Conv2d inputs are pooled k×k; Linear inputs (..., tokens, features) are
+        pooled over k tokens.
+    exact_companions: also swap ReLU/ReLU6/Hardtanh for 1-bit-mask versions and MaxPool2d for
+        uint8-index versions. Exact, and needed for real savings: otherwise they keep the
+        full-size tensors that pooling was meant to drop.
+    norm_storage: ``"native"`` (exact), ``"bf16"`` or ``"int8"`` storage for BatchNorm2d inputs,
+        globally or as ``{pattern: storage}``. Lossy: the input gradient becomes approximate.
+    act_storage: the same for GELU / SiLU inputs (transformer MLPs). Lossy, opt-in.
+    """
+    uncompress(model)
+    for name, spec in resolve_mapping(model, mapping).items():
+        module = model.get_submodule(name)
+        if spec.exact:
+            continue
+        if spec.kernel[0] != spec.kernel[1] and type(module) in (nn.Linear, nn.MultiheadAttention):
+            raise ValueError(
+                f"layer {name!r} is {type(module).__name__}: it pools tokens, give one size, "
+                f"not {spec.kernel}"
+            )
+        _swap(module, COMPRESSIBLE[type(module)])
+        module.lessmem_spec = spec
+        module.lessmem_name = name
+    if exact_companions:
+        for module in model.modules():
+            if type(module) in EXACT_COMPANIONS:
+                _swap(module, EXACT_COMPANIONS[type(module)])
+    for option, rule, stored_class in (
+        ("norm_storage", norm_storage, {nn.BatchNorm2d: StoredBatchNorm2d}),
+        ("act_storage", act_storage, STORED_ACTIVATIONS),
+    ):
+        for name, storage in _storage_choices(model, rule, tuple(stored_class), option).items():
+            module = model.get_submodule(name)
+            _swap(module, stored_class[type(module)])
+            module.lessmem_storage = storage
+    return model
+
+
+def _storage_choices(
+    model: nn.Module,
+    storage_rule: str | Mapping[str, str],
+    kinds: tuple[type[nn.Module], ...],
+    option: str,
+) -> dict[str, str]:
+    """Name -> lossy storage of each layer of ``kinds`` that ``storage_rule`` (one storage, or
+    ``{pattern: storage}``, first match wins) sends away from ``native``."""
+    norms = [n for n, m in model.named_modules() if type(m) in kinds]
+    rules = {"*": storage_rule} if isinstance(storage_rule, str) else dict(storage_rule)
+    chosen: dict[str, str] = {}
+    for pattern, storage in rules.items():
+        check_storage(str(storage))
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in norms) and pattern != "*":
+            kind = "/".join(k.__name__ for k in kinds)
+            raise ValueError(f"{option} pattern {pattern!r} matches no {kind}; have {norms}")
+    for name in norms:
+        for pattern, storage in rules.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                if storage != "native":
+                    chosen[name] = str(storage)
+                break
+    return chosen
+
+
+def uncompress(model: nn.Module) -> nn.Module:
+    """Restore every swapped layer to its stock class (in place); returns ``model``."""
+    for module in model.modules():
+        original = module.__dict__.pop(_ORIGINAL, None)
+        if original is None and type(module) in STOCK_OF:
+            original = STOCK_OF[type(module)]
+        if original is not None:
+            module.__class__ = original
+            module.__dict__.pop("lessmem_spec", None)
+            module.__dict__.pop("lessmem_storage", None)
+            module.__dict__.pop("lessmem_name", None)
+    return model
+
+
+def compressed_layers(model: nn.Module) -> dict[str, LayerSpec]:
+    """Name -> spec of every layer currently compressed."""
+    return {n: m.lessmem_spec for n, m in model.named_modules() if hasattr(m, "lessmem_spec")}
+

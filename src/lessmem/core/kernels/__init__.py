@@ -1,0 +1,1 @@
+"""Fused kernels: C++ for CPU (built on first use), Triton for CUDA."""

@@ -1,0 +1,44 @@
+"""Where the Hydra configs, data and caches live (no heavy imports).
+
+The configs ship inside the package (``lessmem/conf``, package data), so a plain
+``pip install .`` or a wheel finds them; in a checkout ``<repo>/conf`` is a symlink to them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # src/lessmem
+PACKAGE_CONF = PACKAGE_DIR / "conf"
+
+
+def _repo_root() -> Path | None:
+    """The source checkout this package runs from (editable install), or None when installed."""
+    root = PACKAGE_DIR.parents[1]
+    return root if (root / "pyproject.toml").is_file() and (root / "src" / "lessmem").is_dir() else None
+
+
+REPO_ROOT = _repo_root()
+
+
+def conf_dir() -> Path:
+    """Hydra config directory: ``$LESSMEM_CONF`` or the package's own ``lessmem/conf``."""
+    return Path(os.environ.get("LESSMEM_CONF") or PACKAGE_CONF).resolve()
+
+
+def cache_dir() -> Path:
+    """Decoded-dataset cache: ``$LESSMEM_CACHE`` or ``~/.cache/lessmem``."""
+    return Path(os.environ.get("LESSMEM_CACHE") or Path.home() / ".cache" / "lessmem")
+
+
+def resolve_path(path: str | os.PathLike[str]) -> Path:
+    """Absolute paths as given; relative ones against the cwd if they exist there, else against
+    the repo root of a source checkout (so configs like ``../shared/data/cifar10`` work from
+    anywhere in it), else against the cwd."""
+    p = Path(os.path.expanduser(str(path)))
+    if p.is_absolute():
+        return p
+    if p.exists() or REPO_ROOT is None:
+        return p.resolve()
+    return (REPO_ROOT / p).resolve()

@@ -1,0 +1,93 @@
+"""Measurements on a model during a run: saved-for-backward bytes, gradient fidelity of the
+compressed layers, validation accuracy, fixed probe batches."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lessmem.core import compressed_layers, measure_memory, uncompress
+from lessmem.experiment.config import autocast
+from lessmem.experiment.distributed import all_reduce_mean_, all_reduce_sum
+
+
+def first_batch(loader: Any, n: int) -> tuple[Tensor, Tensor]:
+    """The first ``n`` (images, labels) of a loader: a fixed probe batch."""
+    xs, ys, have = [], [], 0
+    for x, y in loader:
+        xs.append(x)
+        ys.append(y)
+        have += len(y)
+        if have >= n:
+            break
+    return torch.cat(xs)[:n], torch.cat(ys)[:n]
+
+
+def first_images(loader: Any, n: int) -> Tensor:
+    return first_batch(loader, n)[0]
+
+
+def measure(stock: nn.Module, model: nn.Module, x: Tensor, device: torch.device, precision: str) -> dict[str, Any]:
+    """Saved-for-backward bytes of the stock and the compressed model on one batch. Runs on
+    copies in train mode so BatchNorm statistics and RNG of the real model are untouched."""
+    out: dict[str, Any] = {"memory_batch": len(x)}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for prefix, net in (("stock_", stock), ("", model)):
+            net = copy.deepcopy(net).to(device).train()
+            with autocast(device, precision):
+                report = measure_memory(net, x.to(device))
+            out[f"{prefix}saved_bytes"] = report.total_bytes
+            out[f"{prefix}cuda_peak_bytes"] = report.cuda_peak_bytes
+            if not prefix:
+                out["saved_bytes_per_layer"] = report.per_layer
+            del net
+    out["ratio"] = out["saved_bytes"] / out["stock_saved_bytes"] if out["stock_saved_bytes"] else float("nan")
+    return out
+
+
+def grad_cosine(model: nn.Module, x: Tensor, y: Tensor, criterion: nn.Module, device: torch.device,
+                precision: str) -> dict[str, float]:
+    """Cosine(exact weight grad, compressed weight grad) per compressed layer, on the batch whose
+    compressed grads are in ``model`` now. The exact grads come from an uncompressed copy
+    (forward is exact, so both see identical activations); scale-invariant, so GradScaler is fine."""
+    layers = compressed_layers(model)
+    if not layers:
+        return {}
+    grads = {n: model.get_submodule(n).weight.grad for n in layers}
+    exact = copy.deepcopy(model)
+    uncompress(exact)
+    exact.zero_grad(set_to_none=True)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with autocast(device, precision):
+            loss = criterion(exact(x), y)
+        loss.backward()
+    out = {}
+    for name, g in grads.items():
+        ge = exact.get_submodule(name).weight.grad
+        if ge is not None:  # DDP averaged the compressed grads over the ranks: so do these
+            all_reduce_mean_(ge)
+        if g is not None and ge is not None:
+            out[name] = F.cosine_similarity(g.flatten().float(), ge.flatten().float(), dim=0).item()
+    return out
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: Any, criterion: nn.Module, device: torch.device,
+             precision: str) -> dict[str, float]:
+    model.eval()
+    loss_sum, top1, top5, n = 0.0, 0, 0, 0
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast(device, precision):
+            logits = model(x)
+        loss_sum += criterion(logits.float(), y).item() * len(y)
+        top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        top1 += (top[:, 0] == y).sum().item()
+        top5 += (top == y[:, None]).any(dim=1).sum().item()
+        n += len(y)
+    loss_sum, top1, top5, n = all_reduce_sum([loss_sum, top1, top5, n], device)  # ranks' shards
+    return {"val_loss": loss_sum / n, "val_top1": top1 / n, "val_top5": top5 / n}

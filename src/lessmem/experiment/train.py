@@ -1,0 +1,292 @@
+"""Training entry: ``run(cfg) -> metrics`` (used by the CLI, sweeps, search and tests).
+
+Writes to ``cfg.out_dir``: ``config.yaml`` (resolved), ``metrics.jsonl`` (one line per epoch),
+``checkpoint.pt`` (atomic), ``metrics.json`` (final), and ``grad_cosine.jsonl`` when enabled.
+The pieces live in their own modules: ``config`` (builders), ``distributed``, ``checkpoint``,
+``probes`` (measurements), ``adaptive`` and ``coverage_report``; ``lessmem.cli`` is the console
+entry (``python -m lessmem.cli.train`` runs it).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from tqdm.auto import tqdm
+
+from lessmem.experiment.adaptive import adapt_compression
+from lessmem.experiment.checkpoint import (
+    atomic_torch_save,
+    atomic_write_text,
+    check_compatible,
+    read_checkpoint,
+    rng_state,
+    seed_everything,
+    set_rng_state,
+)
+from lessmem.experiment.config import (
+    autocast,
+    build_model_from_cfg,
+    build_optimizer,
+    build_scheduler,
+    compress_from_config,
+    compression_map,
+    open_struct,
+    resolve_device,
+    validate,
+)
+from lessmem.experiment.coverage_files import write_coverage
+from lessmem.experiment.data import build_loaders
+from lessmem.experiment.distributed import (
+    all_reduce_sum,
+    broadcast_object,
+    is_main_process,
+    setup_distributed,
+    teardown,
+    unwrap,
+)
+from lessmem.experiment.faults import fault_point
+from lessmem.experiment.loggers import Logger as NullLogger
+from lessmem.experiment.loggers import build_logger
+from lessmem.experiment.probes import evaluate, first_batch, first_images, grad_cosine, measure
+
+TIME_KEYS = ("epoch_time_s", "throughput_img_s", "train_time_s")  # differ between identical runs
+
+
+def default_out_dir() -> Path:
+    return Path("outputs") / datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+
+
+EpochCallback = Callable[[int, dict[str, Any]], None]
+
+
+def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str, Any]:
+    """Train ``cfg.model`` on ``cfg.dataset`` with ``cfg.compression``; returns the final metrics.
+
+    ``on_epoch_end(epoch, record)`` is called on the main process after each epoch's evaluation
+    and checkpoint (epoch counts from 1; ``record`` has ``val_top1`` etc.). An exception it raises
+    (e.g. ``optuna.TrialPruned``) ends the run after the checkpoint, so nothing is lost."""
+    cfg = copy.deepcopy(cfg)
+    device = resolve_device(str(cfg.device))
+    # Under torchrun: batch_size is per rank (global batch = world_size x batch_size), each rank
+    # trains on its shard of every global batch, rank 0 writes files and talks to W&B.
+    ddp, device = setup_distributed(cfg, device)
+    out_dir = Path(cfg.get("out_dir") or default_out_dir()).resolve()
+    # rank 0's (Hydra's run dir may differ by a second between ranks)
+    out_dir = Path(broadcast_object(str(out_dir)))
+    with open_struct(cfg):
+        cfg.out_dir = str(out_dir)
+    validate(cfg, device)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out_dir / "checkpoint.pt"
+    if cfg.resume and not ckpt_path.exists():
+        raise FileNotFoundError(
+            f"resume=true but there is no checkpoint at {ckpt_path}; point out_dir (or hydra.run.dir) "
+            "at the directory of the run to continue"
+        )
+    ckpt = read_checkpoint(ckpt_path, device) if cfg.resume else None  # unreadable: fail now
+    seed = int(cfg.seed)
+    seed_everything(seed)
+
+    model = build_model_from_cfg(cfg)
+    train_loader, val_loader = build_loaders(
+        cfg.dataset, int(cfg.batch_size), int(cfg.eval_batch_size), seed, cfg.get("max_steps_per_epoch"),
+        rank=ddp.rank, world_size=ddp.world_size,
+    )
+    stock = copy.deepcopy(model)
+    mapping = compression_map(cfg.compression)
+    try:
+        compress_from_config(model, mapping, cfg)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"compression {cfg.compression.get('name', '?')!r} does not fit model {cfg.model.name!r}: {e}"
+        ) from e
+    model.to(device)
+    memory_format = torch.channels_last if cfg.get("channels_last") else torch.contiguous_format
+    model.to(memory_format=memory_format)
+    x_memory = first_images(val_loader, int(cfg.memory_batch))
+    memory = measure(stock, model, x_memory, device, cfg.precision)
+    del stock
+    coverage = None
+    if cfg.get("coverage") and ddp.is_main:
+        coverage = write_coverage(model, x_memory.to(device), out_dir, f"{cfg.model.name} / {cfg.compression.get('name', 'custom')}")
+    net = model  # the module itself: optimizer, checkpoints, evaluation, grad cosine
+    if ddp.world_size > 1:
+        if cfg.get("sync_bn"):
+            net = model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        # Compressed layers are autograd Functions with ordinary parameters: DDP's hooks
+        # all-reduce (average) their weight gradients like any other layer's.
+        model = nn.parallel.DistributedDataParallel(
+            net, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.get("compile"):
+        # Compressed layers are custom ops under torch.compile: traced, not graph breaks.
+        model = torch.compile(model, mode=cfg.get("compile_mode") or None)
+
+    criterion = nn.CrossEntropyLoss(label_smoothing=float(cfg.get("label_smoothing", 0.0)))
+    optimizer = build_optimizer(cfg.optimizer, net.parameters())
+    steps_per_epoch = len(train_loader)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, int(cfg.epochs), steps_per_epoch)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+
+    adaptive = cfg.get("adaptive") or {}
+    adapt_every = int(adaptive.get("every") or 0)
+    if adapt_every and cfg.get("compile"):
+        raise ValueError("adaptive.every > 0 re-assigns kernels during training; it cannot be combined with compile=true")
+    probe = first_batch(val_loader, int(adaptive.get("probe_batch", 32))) if adapt_every else None
+
+    start_epoch, history, adaptive_map = 0, [], None
+    if ckpt is not None:
+        check_compatible(ckpt.get("config", {}), OmegaConf.to_container(cfg, resolve=True))
+        net.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        # Recompute the lr from the (possibly longer) schedule: resuming with more epochs than
+        # the checkpointed run stretches the cosine instead of continuing from its end value.
+        for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+            group["lr"] = base * fn(scheduler.last_epoch)
+        scaler.load_state_dict(ckpt["scaler"])
+        set_rng_state(ckpt["rng"])
+        start_epoch, history = int(ckpt["epoch"]), list(ckpt["history"])
+        if ckpt.get("adaptive_map") is not None:  # the kernels in force when it was saved
+            adaptive_map = ckpt["adaptive_map"]
+            compress_from_config(net, adaptive_map, cfg)
+        ckpt = None  # its tensors are copies on the device: free them
+    if ddp.is_main:
+        # Rewrite from the checkpoint: drops lines of epochs that finished after the last checkpoint.
+        atomic_write_text("".join(json.dumps(h) + "\n" for h in history), out_dir / "metrics.jsonl")
+        OmegaConf.save(cfg, out_dir / "config.yaml", resolve=True)
+
+    logger = build_logger(cfg, out_dir) if ddp.is_main else NullLogger()
+    try:
+        logger.summary({k: v for k, v in memory.items() if k != "saved_bytes_per_layer"})
+        if coverage is not None:
+            logger.table("coverage", coverage.as_records())
+        for epoch in range(start_epoch, int(cfg.epochs)):
+            # Reseeding per epoch makes an epoch's randomness independent of earlier epochs, so a
+            # resumed run matches an uninterrupted one without replaying RNG streams.
+            torch.manual_seed(seed * 100_003 + epoch)
+            train_loader.set_epoch(epoch)
+            if adapt_every and epoch % adapt_every == 0:
+                adaptive_map = adapt_compression(net, probe, adaptive, cfg, epoch, x_memory, out_dir,
+                                                 logger, ddp.is_main)
+            record = train_epoch(model, train_loader, criterion, optimizer, scheduler, scaler, cfg,
+                                 device, epoch, steps_per_epoch, logger, out_dir)
+            record.update(evaluate(net, val_loader, criterion, device, cfg.precision))
+            history.append(record)
+            if ddp.is_main:
+                with (out_dir / "metrics.jsonl").open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+            logger.log(_wandb_names(record))
+            done = epoch + 1
+            if ddp.is_main and (done % int(cfg.checkpoint_every) == 0 or done == int(cfg.epochs)):
+                atomic_torch_save({
+                    "model": net.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                    "epoch": done, "rng": rng_state(), "history": history, "memory": memory,
+                    "config": OmegaConf.to_container(cfg, resolve=True),
+                    "adaptive_map": adaptive_map if adapt_every else None,
+                }, ckpt_path)
+            if on_epoch_end is not None and ddp.is_main:
+                on_epoch_end(done, record)
+        metrics = summarize(cfg, history, memory)
+        if ddp.is_main:
+            atomic_write_text(json.dumps(metrics, indent=2), out_dir / "metrics.json")
+        logger.summary({k: v for k, v in metrics.items() if not isinstance(v, (list, dict))})
+        logger.results(metrics)  # W&B: trade-off table row + memory-vs-accuracy plot
+    except BaseException:
+        logger.finish(exit_code=1)
+        raise
+    logger.finish(exit_code=0)
+    teardown(ddp)
+    return metrics
+
+
+def train_epoch(model: nn.Module, loader: Any, criterion: nn.Module, optimizer: torch.optim.Optimizer,
+                scheduler: Any, scaler: torch.amp.GradScaler, cfg: DictConfig, device: torch.device,
+                epoch: int, steps_per_epoch: int, logger: Any, out_dir: Path) -> dict[str, Any]:
+    model.train()
+    lr = optimizer.param_groups[0]["lr"]
+    loss_sum, correct, seen = 0.0, 0, 0
+    cos_every = int(cfg.get("grad_cosine_every") or 0)
+    cos_sums: dict[str, list[float]] = defaultdict(list)
+    start = time.perf_counter()
+    main = is_main_process()
+    bar = tqdm(loader, total=steps_per_epoch, desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="step",
+               dynamic_ncols=True, disable=None if main else True, leave=False)
+    for step, (x, y) in enumerate(bar):
+        global_step = epoch * steps_per_epoch + step
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if cfg.get("channels_last"):
+            x = x.contiguous(memory_format=torch.channels_last)
+        with autocast(device, cfg.precision):
+            logits = model(x)
+            loss = criterion(logits.float(), y)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        if cos_every and global_step % cos_every == 0:
+            cos = grad_cosine(unwrap(model), x, y, criterion, device, cfg.precision)
+            for name, c in cos.items():
+                cos_sums[name].append(c)
+            if cos and main:
+                with (out_dir / "grad_cosine.jsonl").open("a") as f:
+                    f.write(json.dumps({"step": global_step, "epoch": epoch + 1, "cosine": cos}) + "\n")
+                logger.log({"step": global_step, **{f"grad_cosine/{n}": c for n, c in cos.items()}})
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        fault_point("train_step")
+        loss_sum += loss.item() * len(y)
+        correct += (logits.argmax(1) == y).sum().item()
+        seen += len(y)
+        bar.set_postfix(loss=f"{loss_sum / seen:.3f}", lr=f"{optimizer.param_groups[0]['lr']:.3g}")
+    bar.close()
+    loss_sum, correct, seen = all_reduce_sum([loss_sum, correct, seen], device)  # global batch
+    elapsed = time.perf_counter() - start
+    record: dict[str, Any] = {
+        "epoch": epoch + 1, "lr": lr, "train_loss": loss_sum / seen, "train_top1": correct / seen,
+        "epoch_time_s": elapsed, "throughput_img_s": seen / elapsed,
+    }
+    if cos_sums:
+        per_layer = {n: sum(v) / len(v) for n, v in cos_sums.items()}
+        record["grad_cosine_mean"] = sum(per_layer.values()) / len(per_layer)
+        record["grad_cosine"] = per_layer
+    return record
+
+
+def summarize(cfg: DictConfig, history: list[dict[str, Any]], memory: dict[str, Any]) -> dict[str, Any]:
+    best = max(history, key=lambda h: h["val_top1"])
+    last = history[-1]
+    return {
+        "model": cfg.model.name, "dataset": cfg.dataset.name,
+        "compression": cfg.compression.get("name"), "seed": int(cfg.seed),
+        "epochs": len(history),
+        "final_top1": last["val_top1"], "final_top5": last["val_top5"], "final_val_loss": last["val_loss"],
+        "final_train_loss": last["train_loss"],
+        "best_top1": best["val_top1"], "best_top5": best["val_top5"], "best_epoch": best["epoch"],
+        **memory,
+        "train_time_s": sum(h["epoch_time_s"] for h in history),
+        "history": history,
+    }
+
+
+def _wandb_names(record: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"epoch": record["epoch"], "lr": record["lr"]}
+    for k, v in record.items():
+        if k.startswith(("train_", "val_")):
+            split, _, metric = k.partition("_")
+            out[f"{split}/{metric}"] = v
+        elif k in ("epoch_time_s", "throughput_img_s"):
+            out[f"time/{k}"] = v
+        elif k == "grad_cosine_mean":
+            out["train/grad_cosine_mean"] = v
+    return out
+

@@ -1,0 +1,41 @@
+"""Tables, plots and W&B views of what runs and searches wrote (reads files; never trains)."""
+
+from lessmem.reporting.report import (
+    COLUMNS,
+    MiB,
+    WandbSweepCallback,
+    kernel_summary,
+    load_runs,
+    load_search,
+    log_dir_to_wandb,
+    log_wandb,
+    markdown_table,
+    pareto_front,
+    per_layer_memory,
+    plot_accuracy_curves,
+    plot_per_layer,
+    plot_ratio_bars,
+    read_memory_csv,
+    report_dir,
+    row_from,
+)
+
+__all__ = [
+    "COLUMNS",
+    "MiB",
+    "WandbSweepCallback",
+    "kernel_summary",
+    "load_runs",
+    "load_search",
+    "log_dir_to_wandb",
+    "log_wandb",
+    "markdown_table",
+    "pareto_front",
+    "per_layer_memory",
+    "plot_accuracy_curves",
+    "plot_per_layer",
+    "plot_ratio_bars",
+    "read_memory_csv",
+    "report_dir",
+    "row_from",
+]
