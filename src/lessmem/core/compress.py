@@ -3,7 +3,6 @@ the swapped modules keep their parameters, so ``state_dict`` keys never change."
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +18,7 @@ from lessmem.core.modules import (
     LayerSpec,
     StoredBatchNorm2d,
 )
+from lessmem.core.patterns import first_match, unmatched
 from lessmem.core.storage import check_storage
 
 _ORIGINAL = "_lessmem_original_class"
@@ -90,17 +90,16 @@ def _storage_choices(
     norms = [n for n, m in model.named_modules() if type(m) in kinds]
     rules = {"*": storage_rule} if isinstance(storage_rule, str) else dict(storage_rule)
     chosen: dict[str, str] = {}
-    for pattern, storage in rules.items():
+    for storage in rules.values():
         check_storage(str(storage))
-        if not any(fnmatch.fnmatchcase(n, pattern) for n in norms) and pattern != "*":
+    for pattern in unmatched(rules, norms):
+        if pattern != "*":
             kind = "/".join(k.__name__ for k in kinds)
             raise ValueError(f"{option} pattern {pattern!r} matches no {kind}; have {norms}")
     for name in norms:
-        for pattern, storage in rules.items():
-            if fnmatch.fnmatchcase(name, pattern):
-                if storage != "native":
-                    chosen[name] = str(storage)
-                break
+        pattern = first_match(name, rules)
+        if pattern is not None and rules[pattern] != "native":
+            chosen[name] = str(rules[pattern])
     return chosen
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
 from lessmem.core.modules import COMPRESSIBLE, LayerSpec
+from lessmem.core.patterns import first_match, unmatched
 from lessmem.core.storage import check_storage
 
 
@@ -65,14 +65,11 @@ def resolve_mapping(model: nn.Module, mapping: Mapping[str, Any] | None) -> dict
     layers = list(compressible_layers(model))
     specs = {str(p): parse_spec(str(p), v) for p, v in mapping.items()}
     assigned: dict[str, LayerSpec] = {}
-    used: set[str] = set()
     for name in layers:
-        for pattern, spec in specs.items():
-            if fnmatch.fnmatchcase(name, pattern):
-                assigned[name] = spec
-                used.add(pattern)
-                break
-    unused = [p for p in specs if p not in used and not any(fnmatch.fnmatchcase(n, p) for n in layers)]
+        pattern = first_match(name, specs)
+        if pattern is not None:
+            assigned[name] = specs[pattern]
+    unused = unmatched(specs, layers)
     if unused:
         raise ValueError(
             f"compression pattern(s) {unused} match no compressible layer of "

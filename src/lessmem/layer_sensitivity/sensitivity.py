@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lessmem.core.ops import expand_blocks, pool_blocks
+from lessmem.core.patterns import first_match
 
 log = logging.getLogger(__name__)
 
@@ -285,11 +286,9 @@ class SensitivityResult:
 def group_layers(layers: Sequence[str], groups: Sequence[str] | None) -> dict[str, list[str]]:
     """Units of a search/greedy: ``{pattern: layers}`` (first matching pattern wins); a layer
     matched by no pattern is its own unit, keyed by its name."""
-    import fnmatch
-
     units: dict[str, list[str]] = {}
     for name in layers:
-        key = next((p for p in groups or () if fnmatch.fnmatchcase(name, p)), name)
+        key = first_match(name, groups or ()) or name
         units.setdefault(key, []).append(name)
     unused = [p for p in groups or () if p not in units]
     if unused:
