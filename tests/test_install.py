@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import site
 import shutil
 import subprocess
 import sys
@@ -32,8 +33,13 @@ def test_wheel_install_finds_configs_from_anywhere(tmp_path: Path) -> None:
           "-w", str(tmp_path / "wheels"), str(src)], tmp_path, env)
     wheel = next((tmp_path / "wheels").glob("lessmem-*.whl"))
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], tmp_path, env)
+    _run([sys.executable, "-m", "venv", str(venv)], tmp_path, env)
     bin_dir = venv / ("Scripts" if os.name == "nt" else "bin")
+    venv_site = _run([str(bin_dir / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                     tmp_path, env).stdout.strip()
+    # Plain path lines: the parent's packages come after the venv's own, and the parent's .pth files
+    # (such as an editable install of this repo) are not processed.
+    (Path(venv_site) / "parent_site_packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     _run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
          tmp_path, env)
 
