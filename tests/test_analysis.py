@@ -1,4 +1,4 @@
-"""analysis/ scripts and lessmem.report on a tiny sweep and a tiny search made here (synthetic data, CPU)."""
+"""analysis/ scripts and lessmem.reporting on a tiny sweep and a tiny search made here (synthetic data, CPU)."""
 
 from __future__ import annotations
 
@@ -235,9 +235,9 @@ def test_hydra_sweep_callback(sweep: Path, tmp_path: Path, monkeypatch: pytest.M
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     logged = []
-    import lessmem.reporting.report as report_module
+    import lessmem.reporting.sweep_callback as sweep_callback
 
-    monkeypatch.setattr(report_module, "log_dir_to_wandb", lambda root, **kw: logged.append((Path(root), kw)) or {})
+    monkeypatch.setattr(sweep_callback, "log_dir_to_wandb", lambda root, **kw: logged.append((Path(root), kw)) or {})
     R.WandbSweepCallback().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
     assert logged == [(sweep, {"project": "lessmem", "mode": "offline"})]
     valid_png(sweep / "report" / "memory_vs_accuracy.png")
