@@ -97,6 +97,16 @@ def test_kernel_summary() -> None:
     assert R.kernel_summary({}) == "none"
 
 
+def test_pareto_front_on_any_columns() -> None:
+    """The one front for runs and search trials: least memory per accuracy, one row per point,
+    the first of equal rows, rows without finite values left out."""
+    rows = [{"trial": 0, "bytes": 100, "score": 0.9}, {"trial": 1, "bytes": 50, "score": 0.8},
+            {"trial": 2, "bytes": 50, "score": 0.8}, {"trial": 3, "bytes": 70, "score": 0.7},
+            {"trial": 4, "bytes": 10, "score": float("nan")}, {"trial": 5, "bytes": 200, "score": 0.95}]
+    front = R.pareto_front(rows, mem="bytes", acc="score")
+    assert [r["trial"] for r in front] == [1, 0, 5]
+
+
 def test_report_on_search(tmp_path: Path) -> None:
     from lessmem.search import load_sweep, run_search
 
