@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +91,40 @@ def test_rows_pareto_and_running_run(sweep: Path, tmp_path: Path) -> None:
     assert not row["complete"] and row["top1"] == hist[0]["val_top1"] and row["kernels"] == "*:2"
     assert "(running)" in R.markdown_table([row])
     assert R.load_runs(tmp_path / "missing") == []
+
+
+class _RunsCommand:
+    """Pickles as a call of ``os.system(command)``: what a hostile checkpoint.pt can hold."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_report_never_unpickles_a_checkpoint(sweep: Path, tmp_path: Path) -> None:
+    """Issue 23: a results folder from elsewhere is reported from its JSON files only; the memory
+    columns of a run in progress come from its memory.json, not from checkpoint.pt."""
+    import torch
+
+    marker = tmp_path / "MARKER"
+    hostile = tmp_path / "hostile.pt"
+    torch.save({"memory": _RunsCommand(f"touch {marker}")}, hostile)
+    source = sweep / "1_compression=pool2"
+    runs = tmp_path / "runs"
+    for name in ("done", "running"):
+        shutil.copytree(source, runs / name, ignore=shutil.ignore_patterns("checkpoint.pt"))
+        shutil.copy(hostile, runs / name / "checkpoint.pt")
+    (runs / "running" / "metrics.json").unlink()  # in progress: metrics.jsonl + memory.json
+
+    rep = R.report_dir(runs)
+    assert not marker.exists()
+    running = next(r for r in rep["rows"] if not r["complete"])
+    memory = json.loads((source / "memory.json").read_text())
+    assert running["saved_bytes"] == memory["saved_bytes"] and running["ratio"] == memory["ratio"]
+    torch.load(hostile, weights_only=False)  # the payload is live: unpickling it runs the command
+    assert marker.exists()
 
 
 def test_kernel_summary() -> None:

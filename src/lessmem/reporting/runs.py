@@ -1,5 +1,6 @@
 """Rows of training run directories: finished runs from ``metrics.json``, runs in progress from
-``metrics.jsonl`` (+ the memory measurement in their checkpoint)."""
+``metrics.jsonl`` + ``memory.json``. Only JSON and YAML are read: never a checkpoint, whose
+pickle could run code."""
 
 from __future__ import annotations
 
@@ -31,22 +32,15 @@ def run_row(run_dir: Path) -> dict[str, Any] | None:
         last = history[-1]
         m = {"final_top1": last.get("val_top1"), "final_top5": last.get("val_top5"),
              "train_time_s": sum(h.get("epoch_time_s", 0.0) for h in history), "epochs": len(history),
-             **_checkpoint_memory(run_dir / "checkpoint.pt")}
+             **_running_memory(run_dir / "memory.json")}
         complete = False
     return row_from(cfg, m, name=run_dir.name, history=history, complete=complete, path=str(run_dir))
 
 
-def _checkpoint_memory(path: Path) -> dict[str, Any]:
-    """Saved-bytes measurement of a run still in progress (it is in its checkpoint)."""
-    if not path.is_file():
-        return {}
-    try:
-        import torch
-
-        mem = torch.load(path, map_location="cpu", weights_only=False).get("memory") or {}
-    except Exception:  # a checkpoint being replaced or from another version: no memory columns
-        return {}
-    return {k: v for k, v in mem.items() if k != "saved_bytes_per_layer"}
+def _running_memory(path: Path) -> dict[str, Any]:
+    """Saved-bytes measurement of a run in progress (written before its first epoch; runs of
+    older versions have none)."""
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def load_runs(root: str | Path) -> list[dict[str, Any]]:
