@@ -77,7 +77,7 @@ def sensitivity_job(out: Path, epoch: int, common: list[str], deps: list[str]) -
 def search_job(out: Path, common: list[str], n_trials: int, deps: list[str]) -> Job:
     ckpt = out / "runs" / "stock" / "seed0" / "checkpoint_epoch1.pt"
     base = [*common, "dataset.train_subset=10000", "dataset.val_subset=2000", "epochs=2", "seed=0"]
-    argv = [sys.executable, "-m", "lessmem.search", "--config", str(REPO / "sweeps" / "proof_resnet20.yaml"),
+    argv = [sys.executable, "-m", "lessmem.cli.search", "--config", str(REPO / "sweeps" / "proof_resnet20.yaml"),
             f"out_dir={out / 'search'}", f"n_trials={n_trials}",
             f"sensitivity.checkpoint={ckpt}", f"base_overrides={json.dumps(base)}"]
     return Job("search", argv, out / "search" / "summary.json", deps)

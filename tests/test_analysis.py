@@ -1,9 +1,11 @@
-"""analysis/ scripts and lessmem.report on a tiny sweep and a tiny search made here (synthetic data, CPU)."""
+"""analysis/ scripts and lessmem.reporting on a tiny sweep and a tiny search made here (synthetic data, CPU)."""
 
 from __future__ import annotations
 
 import csv
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -91,10 +93,54 @@ def test_rows_pareto_and_running_run(sweep: Path, tmp_path: Path) -> None:
     assert R.load_runs(tmp_path / "missing") == []
 
 
+class _RunsCommand:
+    """Pickles as a call of ``os.system(command)``: what a hostile checkpoint.pt can hold."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_report_never_unpickles_a_checkpoint(sweep: Path, tmp_path: Path) -> None:
+    """Issue 23: a results folder from elsewhere is reported from its JSON files only; the memory
+    columns of a run in progress come from its memory.json, not from checkpoint.pt."""
+    import torch
+
+    marker = tmp_path / "MARKER"
+    hostile = tmp_path / "hostile.pt"
+    torch.save({"memory": _RunsCommand(f"touch {marker}")}, hostile)
+    source = sweep / "1_compression=pool2"
+    runs = tmp_path / "runs"
+    for name in ("done", "running"):
+        shutil.copytree(source, runs / name, ignore=shutil.ignore_patterns("checkpoint.pt"))
+        shutil.copy(hostile, runs / name / "checkpoint.pt")
+    (runs / "running" / "metrics.json").unlink()  # in progress: metrics.jsonl + memory.json
+
+    rep = R.report_dir(runs)
+    assert not marker.exists()
+    running = next(r for r in rep["rows"] if not r["complete"])
+    memory = json.loads((source / "memory.json").read_text())
+    assert running["saved_bytes"] == memory["saved_bytes"] and running["ratio"] == memory["ratio"]
+    torch.load(hostile, weights_only=False)  # the payload is live: unpickling it runs the command
+    assert marker.exists()
+
+
 def test_kernel_summary() -> None:
     assert R.kernel_summary({"*": 2}) == "*:2"
     assert R.kernel_summary({f"l{i}": k for i, k in enumerate([1, 2, 2, 4, 4, 4])}) == "k1 x1, k2 x2, k4 x3"
     assert R.kernel_summary({}) == "none"
+
+
+def test_pareto_front_on_any_columns() -> None:
+    """The one front for runs and search trials: least memory per accuracy, one row per point,
+    the first of equal rows, rows without finite values left out."""
+    rows = [{"trial": 0, "bytes": 100, "score": 0.9}, {"trial": 1, "bytes": 50, "score": 0.8},
+            {"trial": 2, "bytes": 50, "score": 0.8}, {"trial": 3, "bytes": 70, "score": 0.7},
+            {"trial": 4, "bytes": 10, "score": float("nan")}, {"trial": 5, "bytes": 200, "score": 0.95}]
+    front = R.pareto_front(rows, mem="bytes", acc="score")
+    assert [r["trial"] for r in front] == [1, 0, 5]
 
 
 def test_report_on_search(tmp_path: Path) -> None:
@@ -235,9 +281,9 @@ def test_hydra_sweep_callback(sweep: Path, tmp_path: Path, monkeypatch: pytest.M
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     logged = []
-    import lessmem.reporting.report as report_module
+    import lessmem.reporting.sweep_callback as sweep_callback
 
-    monkeypatch.setattr(report_module, "log_dir_to_wandb", lambda root, **kw: logged.append((Path(root), kw)) or {})
+    monkeypatch.setattr(sweep_callback, "log_dir_to_wandb", lambda root, **kw: logged.append((Path(root), kw)) or {})
     R.WandbSweepCallback().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
     assert logged == [(sweep, {"project": "lessmem", "mode": "offline"})]
     valid_png(sweep / "report" / "memory_vs_accuracy.png")

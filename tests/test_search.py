@@ -78,9 +78,9 @@ class _PruneFromTrial1(optuna.pruners.BasePruner):
 
 
 def test_accuracy_search_prunes_per_epoch(tmp_path, monkeypatch) -> None:
-    import lessmem.search.search as search
+    import lessmem.search.study as study_module
 
-    monkeypatch.setattr(search, "make_pruner", lambda pcfg: _PruneFromTrial1())
+    monkeypatch.setattr(study_module, "make_pruner", lambda pcfg: _PruneFromTrial1())
     s = sweep(tmp_path, n_trials=2, mode="budget", objective="accuracy", budget=0.3,
               base_overrides=None, pruner={"name": "median"})
     s.base_overrides = [*BASE, "epochs=2", "batch_size=32", "eval_batch_size=32", "memory_batch=4"]

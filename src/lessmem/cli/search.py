@@ -11,7 +11,7 @@ from pathlib import Path
 
 import optuna
 
-from lessmem.search.search import DEFAULTS, load_sweep, run_search
+from lessmem.search import DEFAULTS, load_sweep, run_search
 
 
 def main(argv: Sequence[str] | None = None) -> int:

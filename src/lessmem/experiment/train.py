@@ -1,7 +1,8 @@
 """Training entry: ``run(cfg) -> metrics`` (used by the CLI, sweeps, search and tests).
 
-Writes to ``cfg.out_dir``: ``config.yaml`` (resolved), ``metrics.jsonl`` (one line per epoch),
-``checkpoint.pt`` (atomic), ``metrics.json`` (final), and ``grad_cosine.jsonl`` when enabled.
+Writes to ``cfg.out_dir``: ``config.yaml`` (resolved), ``memory.json`` (saved-bytes measurement,
+before the first epoch), ``metrics.jsonl`` (one line per epoch), ``checkpoint.pt`` (atomic),
+``metrics.json`` (final, memory fields included), and ``grad_cosine.jsonl`` when enabled.
 The pieces live in their own modules: ``config`` (builders), ``distributed``, ``checkpoint``,
 ``probes`` (measurements), ``adaptive`` and ``coverage_report``; ``lessmem.cli`` is the console
 entry (``python -m lessmem.cli.train`` runs it).
@@ -116,6 +117,8 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
     x_memory = first_images(val_loader, int(cfg.memory_batch))
     memory = measure(stock, model, x_memory, device, cfg.precision)
     del stock
+    if ddp.is_main:  # reports of a run in progress read it here, never from the pickled checkpoint
+        atomic_write_text(json.dumps(memory, indent=2), out_dir / "memory.json")
     coverage = None
     if cfg.get("coverage") and ddp.is_main:
         coverage = write_coverage(model, x_memory.to(device), out_dir, f"{cfg.model.name} / {cfg.compression.get('name', 'custom')}")

@@ -1,0 +1,84 @@
+"""Rows of a ``lessmem.search`` directory: its Optuna journal (or ``trials.csv``), plus the
+trained trials' run directories for accuracy searches."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+from lessmem.reporting.rows import kernel_summary
+from lessmem.reporting.runs import run_row
+
+
+def is_search_dir(path: str | Path) -> bool:
+    p = Path(path)
+    return (p / "study.journal").is_file() or (p / "trials.csv").is_file() or (p / "summary.json").is_file()
+
+
+def load_search(root: str | Path) -> list[dict[str, Any]]:
+    """One row per complete trial of a ``lessmem.search`` directory. Memory is the trial's
+    conv-input bytes; accuracy is the trained top-1 when the trial trained (accuracy objective),
+    else the score (mean gradient cosine). ``score`` keeps the search objective."""
+    root = Path(root)
+    trials = _journal_trials(root) if (root / "study.journal").is_file() else None
+    if trials is None:
+        trials = _csv_trials(root)
+    summary = json.loads((root / "summary.json").read_text()) if (root / "summary.json").is_file() else {}
+    base_bytes = summary.get("baseline_conv_input_bytes")
+    rows = []
+    for t in trials:
+        train_dir = root / "trials" / f"{t['trial']:04d}" / "train"
+        trained = run_row(train_dir) if train_dir.is_dir() else None
+        kmap = t.get("map") or {}
+        row = {
+            "name": f"trial {t['trial']}" + (f" ({t['seed']})" if t.get("seed") else ""),
+            "map": t.get("seed") or f"trial_{t['trial']:04d}", "kernels": kernel_summary(kmap or t.get("params")),
+            "saved_bytes": t["conv_input_bytes"], "stock_saved_bytes": base_bytes, "peak_bytes": None,
+            "ratio": t["conv_input_bytes"] / base_bytes if base_bytes else None,
+            "top1": None, "top5": None, "train_time_s": None, "epochs": 0, "history": [],
+            "complete": True, "path": str(train_dir if trained else root), "trial": t["trial"],
+            "score": t["score"], "seed": t.get("seed", ""),
+        }
+        if trained:
+            for k in ("top1", "top5", "train_time_s", "epochs", "history", "peak_bytes"):
+                row[k] = trained[k]
+            row["measured_saved_bytes"], row["measured_ratio"] = trained["saved_bytes"], trained["ratio"]
+        rows.append(row)
+    return rows
+
+
+def _journal_trials(root: Path) -> list[dict[str, Any]] | None:
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    storage = JournalStorage(JournalFileBackend(str(root / "study.journal")))
+    studies = storage.get_all_studies()
+    if not studies:
+        return None
+    out = []
+    for s in studies:
+        study = optuna.load_study(study_name=s.study_name, storage=storage)
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+            a = t.user_attrs
+            if "conv_input_bytes" not in a or "score" not in a:
+                continue
+            out.append({"trial": t.number, "seed": a.get("seed", ""), "conv_input_bytes": a["conv_input_bytes"],
+                        "score": a["score"], "map": a.get("map") or {},
+                        "params": {k.removeprefix("k:"): v for k, v in t.params.items()}})
+    return out
+
+
+def _csv_trials(root: Path) -> list[dict[str, Any]]:
+    path = root / "trials.csv"
+    if not path.is_file():
+        return []
+    out = []
+    with path.open() as f:
+        for r in csv.DictReader(f):
+            out.append({"trial": int(r["trial"]), "seed": r.get("seed", ""),
+                        "conv_input_bytes": int(float(r["conv_input_bytes"])), "score": float(r["score"]),
+                        "params": json.loads(r.get("params") or "{}")})
+    return out
