@@ -1,13 +1,15 @@
 """Installed like a real package: a wheel of the project, installed (not editable) into a fresh
-venv, finds its configs from any directory. Offline: no build isolation, no dependencies fetched
-(the venv sees the system site-packages for torch, Hydra, ...)."""
+venv, finds its configs from any directory. Offline: no build isolation, no dependencies fetched:
+the venv sees the site-packages of the interpreter running the tests (torch, Hydra, ...), whether
+that is a global install or the user's own venv, through a path file (not --system-site-packages,
+which sees the base interpreter instead of the user's venv)."""
 
 from __future__ import annotations
 
 import json
 import os
-import site
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
