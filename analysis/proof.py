@@ -65,7 +65,7 @@ def _train(run_dir: str, keep: str, overrides: list[str]) -> None:
 def sensitivity_job(out: Path, epoch: int, common: list[str], deps: list[str]) -> Job:
     ckpt = out / "runs" / "stock" / "seed0" / f"checkpoint_epoch{epoch}.pt"
     dest = out / "sensitivity" / f"epoch{epoch}"
-    argv = [sys.executable, "-m", "lessmem.sensitivity_cli", *common, "seed=0",
+    argv = [sys.executable, "-m", "lessmem.cli.sensitivity", *common, "seed=0",
             "sensitivity.batches=4", "sensitivity.batch_size=128", "sensitivity.budget=0.25",
             "sensitivity.kernels=[1,2,4,8]", f"sensitivity.out={dest}",
             f"sensitivity.map_out={dest / 'greedy_map.yaml'}"]
