@@ -48,13 +48,17 @@ def test_wheel_install_finds_configs_from_anywhere(tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"  # no conf/ here or above
     elsewhere.mkdir()
     where = _run([str(bin_dir / "python"), "-c", "import json, lessmem, lessmem.experiment.paths as p; "
-                  "print(json.dumps([lessmem.__file__, str(p.conf_dir())]))"], elsewhere, env)
-    module, conf = json.loads(where.stdout)
-    assert Path(module).is_relative_to(venv) and Path(conf).is_relative_to(venv)
+                  "import hydra_plugins.lessmem_optuna_sweeper as sweeper; "
+                  "print(json.dumps([lessmem.__file__, str(p.conf_dir()), sweeper.__file__]))"], elsewhere, env)
+    module, conf, sweeper = json.loads(where.stdout)
+    assert all(Path(f).is_relative_to(venv) for f in (module, conf, sweeper))
     assert (Path(conf) / "train.yaml").is_file() and (Path(conf) / "compression" / "pool2.yaml").is_file()
 
     job = _run([str(bin_dir / "lessmem-train"), "--cfg", "job", "model=resnet18", "compression=pool2"], elsewhere, env)
     assert "name: resnet18" in job.stdout and "name: pool2" in job.stdout
+    plugin = _run([str(bin_dir / "lessmem-train"), "hydra/sweeper=lessmem_optuna", "--cfg", "hydra", "-p",
+                   "hydra.sweeper._target_"], elsewhere, env)  # Hydra finds the plugin in the wheel
+    assert "LessmemOptunaSweeper" in plugin.stdout
     info = _run([str(bin_dir / "lessmem-info"), "compression"], elsewhere, env)
     assert "pool4" in info.stdout
     _run([str(bin_dir / "lessmem-train"), "dataset=synthetic", "dataset.size=16", "dataset.val_size=8",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import hydra
 from omegaconf import DictConfig
 
@@ -12,8 +15,9 @@ CONF_DIR = str(conf_dir())
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
-def _train(cfg: DictConfig) -> float:
+def _train(cfg: DictConfig) -> dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
     from omegaconf import OmegaConf
 
     from lessmem.experiment.train import run
@@ -21,7 +25,9 @@ def _train(cfg: DictConfig) -> float:
     if not cfg.get("out_dir"):
         OmegaConf.set_struct(cfg, False)
         cfg.out_dir = HydraConfig.get().runtime.output_dir
-    with exit_on_user_error("lessmem-train"):
+    # In a sweep a bad point fails its own job only: Hydra records the error for the sweeper.
+    sweeping = HydraConfig.get().mode == RunMode.MULTIRUN
+    with contextlib.nullcontext() if sweeping else exit_on_user_error("lessmem-train"):
         m = run(cfg)
     print(
         f"{m['model']} / {m['compression']}: top1 {m['final_top1']:.4f} (best {m['best_top1']:.4f} "
@@ -29,7 +35,7 @@ def _train(cfg: DictConfig) -> float:
         f"{m['stock_saved_bytes'] / 2**20:.2f} MiB (ratio {m['ratio']:.3f}), "
         f"{m['train_time_s']:.1f}s -> {cfg.out_dir}"
     )
-    return float(m["final_top1"])  # for Hydra sweepers that optimize the return value
+    return m  # the metrics, for sweepers that optimize them (hydra.sweeper.objectives)
 
 
 def train_main() -> None:
