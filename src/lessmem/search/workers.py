@@ -94,7 +94,7 @@ class SharedBudget:
                    optuna.trial.TrialState.RUNNING)
         others = [t for t in trial.study.get_trials(deepcopy=False, states=counted) if t.number != trial.number]
         if len(others) >= self.n_trials:
-            fixed = trial.study._storage.get_trial(trial._trial_id).system_attrs.get("fixed_params")
+            fixed = trial.study._storage.get_trial(trial._trial_id).system_attrs.get("fixed_params") or trial.params
             if fixed:  # a queued map (seed or retry): give it back to the queue
                 trial.study.enqueue_trial(fixed, user_attrs={k: v for k, v in trial.user_attrs.items() if k == "seed"})
             trial.set_user_attr("surplus", True)
