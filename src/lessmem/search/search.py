@@ -43,9 +43,7 @@ from typing import Any
 import optuna
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lessmem.experiment.checkpoint import load_checkpoint
-from lessmem.experiment.config import build_model_from_cfg, compose_config
-from lessmem.experiment.data import fixed_batches
+from lessmem.experiment import build_model_from_cfg, compose_config, fixed_batches, load_checkpoint
 from lessmem.layer_sensitivity import SensitivityResult, group_layers, sensitivity, write_map_yaml
 
 log = logging.getLogger(__name__)
