@@ -225,3 +225,11 @@ def test_lessmem_info_lists_choices(capsys: pytest.CaptureFixture[str]) -> None:
     assert set(MODELS) == set(info["architectures"])
     assert main(["nope"]) == 2 and "unknown group" in capsys.readouterr().err
 
+
+def test_every_option_has_a_one_sentence_description() -> None:
+    from lessmem.cli.info import config_options
+
+    incomplete = {f"{group}={option}": text for group, options in config_options().items()
+                  for option, text in options.items() if not text.endswith((".", "!", "?"))}
+    assert not incomplete, incomplete
+    assert set(config_options()["optimizer"]) == set(options("optimizer"))
