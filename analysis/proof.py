@@ -48,8 +48,7 @@ def train_job(out: Path, name: str, seed: int, overrides: list[str], common: lis
 
 def _train(run_dir: str, keep: str, overrides: list[str]) -> None:
     """One training run; ``keep``: copy the checkpoint after every epoch (for sensitivity)."""
-    from lessmem.experiment.config import compose_config
-    from lessmem.experiment.train import run
+    from lessmem.experiment import compose_config, run
 
     run_dir_p = Path(run_dir)
     resume = (run_dir_p / "checkpoint.pt").exists()

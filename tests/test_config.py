@@ -9,9 +9,10 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from lessmem.experiment.config import build_optimizer, build_scheduler, compression_map
+from lessmem.experiment.compression import compression_map
 from lessmem.experiment.data import build_datasets, build_loaders
 from lessmem.experiment.loggers import CsvLogger, Logger, build_logger
+from lessmem.experiment.optim import build_optimizer, build_scheduler
 from lessmem.experiment.paths import conf_dir
 from lessmem.models import MODELS, build_model
 
@@ -223,3 +224,12 @@ def test_lessmem_info_lists_choices(capsys: pytest.CaptureFixture[str]) -> None:
     assert set(info["groups"]) == {"compression"} and "pool4" in info["groups"]["compression"]
     assert set(MODELS) == set(info["architectures"])
     assert main(["nope"]) == 2 and "unknown group" in capsys.readouterr().err
+
+
+def test_every_option_has_a_one_sentence_description() -> None:
+    from lessmem.cli.info import config_options
+
+    incomplete = {f"{group}={option}": text for group, options in config_options().items()
+                  for option, text in options.items() if not text.endswith((".", "!", "?"))}
+    assert not incomplete, incomplete
+    assert set(config_options()["optimizer"]) == set(options("optimizer"))

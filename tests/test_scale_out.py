@@ -82,8 +82,8 @@ def test_torchrun_two_ranks_equal_one_process_double_batch(tmp_path: Path) -> No
           f"hydra.run.dir={tmp_path / 'h1'}"], tmp_path)
     _run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "lessmem.cli.train", *TINY_VIT, "batch_size=4",
           f"out_dir={tmp_path / 'two'}", f"hydra.run.dir={tmp_path / 'h2'}"], tmp_path)
-    one = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)
-    two = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)
+    one = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=True)
+    two = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=True)
     assert one["model"].keys() == two["model"].keys()  # no "module." prefix
     for k, v in one["model"].items():
         torch.testing.assert_close(two["model"][k], v, rtol=1e-4, atol=1e-5, msg=k)
@@ -182,8 +182,8 @@ def test_sync_bn_on_cpu_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's SyncBatchNorm is CUDA-only: sync_bn=true with several CPU ranks fails up front."""
     from hydra import compose, initialize_config_dir
 
-    from lessmem.experiment.config import validate
     from lessmem.experiment.paths import conf_dir
+    from lessmem.experiment.runtime import validate
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = compose("train", overrides=["sync_bn=true", "device=cpu"])

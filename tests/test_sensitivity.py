@@ -1,4 +1,4 @@
-"""lessmem.sensitivity: one stock backward predicts every compressed weight gradient."""
+"""lessmem.layer_sensitivity: one stock backward predicts every compressed weight gradient."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""CPU runs of lessmem.train.run on tiny data: outputs, determinism, resume, errors, CLI sweeps, W&B."""
+"""CPU runs of lessmem.experiment.run on tiny data: outputs, determinism, resume, errors, CLI sweeps, W&B."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 import lessmem.experiment.train as train_mod
+from lessmem.experiment.compression import compress_from_config
 from lessmem.experiment.paths import conf_dir
 from lessmem.experiment.train import TIME_KEYS, run
 
@@ -248,10 +250,10 @@ def test_adaptive_schedule_reassigns_kernels_within_budget(tmp_path: Path) -> No
     assert (out / "sensitivity.csv").read_text().count("\n") > 1
     assert metrics["epochs"] == 2
     # The checkpoint carries the map in force, and resume re-applies it.
-    ckpt = __import__("torch").load(out / "checkpoint.pt", weights_only=False)
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
     assert ckpt["adaptive_map"] is not None
     model = build_model("resnet20", num_classes=10)
-    train_mod.compress_from_config(model, ckpt["adaptive_map"], make_cfg(out))
+    compress_from_config(model, ckpt["adaptive_map"], make_cfg(out))
     assert {n: s.kernel[0] for n, s in lessmem.compressed_layers(model).items()} == changes[-1]["map"]
 
 

@@ -15,40 +15,27 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lessmem.cli.errors import one_line, user_errors
-from lessmem.experiment.coverage_files import coverage_for_config, save_report
+from lessmem.cli.options import split_options
+from lessmem.experiment import compose_config, coverage_for_config, save_report
 
 _DEFAULTS = {"batch": None, "out": None, "full_only": False}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-
-    from lessmem.experiment.config import compose_config
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
-    hydra_args, opts = [], dict(_DEFAULTS)
-    for arg in argv:
-        key, _, value = arg.lstrip("+").partition("=")
-        if key.startswith("coverage."):
-            name = key.split(".", 1)[1]
-            if name not in _DEFAULTS:
-                print(f"lessmem-coverage: unknown option {arg!r}; coverage.* options: {sorted(_DEFAULTS)}",
-                      file=sys.stderr)
-                return 2
-            opts[name] = value
-        else:
-            hydra_args.append(arg)
     try:
+        hydra_args, opts = split_options(argv, "coverage", _DEFAULTS)
         cfg = compose_config(hydra_args)
         report = coverage_for_config(cfg, int(opts["batch"]) if opts["batch"] else None)
     except (*user_errors(), KeyError) as e:  # bad config / file: one line, no traceback
         print(f"lessmem-coverage: error: {one_line(e)}", file=sys.stderr)
         return 2
-    print(report.table(full_only=str(opts["full_only"]).lower() == "true"))
+    print(report.table(full_only=bool(opts["full_only"])))
     name = f"{cfg.model.name} / {cfg.compression.get('name', 'custom')}"
-    out = Path(opts["out"] or f"outputs/coverage/{cfg.model.name}_{cfg.compression.get('name', 'custom')}")
+    out = Path(str(opts["out"] or f"outputs/coverage/{cfg.model.name}_{cfg.compression.get('name', 'custom')}"))
     for kind, path in save_report(report, out, name).items():
         print(f"{kind}: {path}")
     return 0

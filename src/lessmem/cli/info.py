@@ -6,7 +6,8 @@
 
 Lists the model architectures of the registry (``lessmem.models.MODELS``, ``model.name=...``)
 and every option of each config group (``GROUP=OPTION`` on the ``lessmem-train`` command line)
-with the first line of its comment.
+with its description: the first line of the file's leading comment, one full sentence (further
+comment lines give details).
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lessmem.experiment.paths import conf_dir, resolve_path
+from lessmem.experiment import conf_dir, default_data_root, resolve_path
 
 GROUPS = ("model", "compression", "dataset", "optimizer", "scheduler", "logger", "experiment",
           "hydra/launcher")
 
 
 def _describe(path: Path) -> str:
-    """First comment line of a config file (``# @package`` lines skipped)."""
+    """The description of a config file: its first comment line (``# @package`` lines skipped)."""
     for line in path.read_text().splitlines():
         line = line.strip()
         if not line.startswith("#"):
@@ -52,8 +53,7 @@ def available() -> dict[str, Any]:
     from lessmem import __version__
     from lessmem.models import MODELS
 
-    data_env = os.environ.get("LESSMEM_DATA")
-    cifar = resolve_path(f"{data_env or '../shared/data'}/cifar10")
+    cifar = resolve_path(default_data_root("cifar10"))
     return {
         "version": __version__,
         "conf_dir": str(conf_dir()),

@@ -6,21 +6,18 @@ import contextlib
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lessmem.cli.errors import exit_on_user_error, hydra_entry
-from lessmem.experiment.paths import conf_dir
+from lessmem.experiment import conf_dir, run
 
 CONF_DIR = str(conf_dir())
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def _train(cfg: DictConfig) -> dict[str, Any]:
-    from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-    from omegaconf import OmegaConf
-
-    from lessmem.experiment.train import run
 
     if not cfg.get("out_dir"):
         OmegaConf.set_struct(cfg, False)

@@ -1,2 +1,30 @@
 """The experiment framework: a composed Hydra config in, a trained and measured run out
-(``lessmem.experiment.train.run``)."""
+(``run``). Importing it makes the configs' resolvers (``${lessmem.data_root:NAME}``) available."""
+
+from lessmem.experiment.checkpoint import load_checkpoint
+from lessmem.experiment.compose import compose_config
+from lessmem.experiment.coverage_files import coverage_for_config, save_report
+from lessmem.experiment.data import fixed_batches
+from lessmem.experiment.model import build_model_from_cfg
+from lessmem.experiment.paths import (
+    conf_dir,
+    default_data_root,
+    register_config_resolvers,
+    resolve_path,
+)
+from lessmem.experiment.train import run
+
+register_config_resolvers()
+
+__all__ = [
+    "build_model_from_cfg",
+    "compose_config",
+    "conf_dir",
+    "coverage_for_config",
+    "default_data_root",
+    "fixed_batches",
+    "load_checkpoint",
+    "resolve_path",
+    "run",
+    "save_report",
+]

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from lessmem.core import measure_memory
-from lessmem.experiment.config import compress_from_config
+from lessmem.experiment.compression import compress_from_config
 from lessmem.layer_sensitivity import append_history, sensitivity
 
 log = logging.getLogger(__name__)

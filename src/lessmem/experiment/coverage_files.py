@@ -9,24 +9,19 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from omegaconf import DictConfig
 from torch import Tensor, nn
 
-from lessmem.core import coverage
-from lessmem.core.coverage import CoverageReport
+from lessmem.core import CoverageReport, coverage
+from lessmem.experiment.model import build_model_from_cfg, compress_as_configured
 
 
-def coverage_for_config(cfg, batch: int | None = None) -> CoverageReport:
+def coverage_for_config(cfg: DictConfig, batch: int | None = None) -> CoverageReport:
     """Coverage of the configured model and compression map on a random input batch (saved
     bytes depend on shapes only, not on pixel values)."""
-    from lessmem.experiment.config import (
-        build_model_from_cfg,
-        compress_from_config,
-        compression_map,
-    )
-
     torch.manual_seed(int(cfg.get("seed", 0)))
     model = build_model_from_cfg(cfg).train()
-    compress_from_config(model, compression_map(cfg.compression), cfg)
+    compress_as_configured(model, cfg)
     size = int(cfg.dataset.image_size)
     x = torch.randn(int(batch or cfg.memory_batch), 3, size, size)
     return coverage(model, x)

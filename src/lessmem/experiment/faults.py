@@ -2,8 +2,8 @@
 
 ``LESSMEM_FAULT=<point>:<n>`` makes the process SIGKILL itself (no cleanup, like ``kill -9``) the
 n-th time it reaches ``fault_point(<point>)``. Points: ``train_step`` (after an optimizer step)
-and ``checkpoint_replace`` (checkpoint written to its temp file, not yet renamed). Unset, a call
-costs one environment lookup.
+and ``replace_<file name>`` (an atomic write's temp file written, not yet renamed: e.g.
+``replace_checkpoint.pt``). Unset, a call costs one environment lookup.
 """
 
 from __future__ import annotations

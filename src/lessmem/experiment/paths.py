@@ -20,6 +20,8 @@ def _repo_root() -> Path | None:
 
 
 REPO_ROOT = _repo_root()
+DATA_ENV = "LESSMEM_DATA"
+DEFAULT_DATA_DIR = "../shared/data"
 
 
 def conf_dir() -> Path:
@@ -30,6 +32,21 @@ def conf_dir() -> Path:
 def cache_dir() -> Path:
     """Decoded-dataset cache: ``$LESSMEM_CACHE`` or ``~/.cache/lessmem``."""
     return Path(os.environ.get("LESSMEM_CACHE") or Path.home() / ".cache" / "lessmem")
+
+
+def default_data_root(name: str) -> Path:
+    """Where dataset ``name`` is looked for unless ``dataset.root`` says otherwise:
+    ``$LESSMEM_DATA/<name>``, else ``../shared/data/<name>``; relative, for ``resolve_path``.
+    The dataset configs read it as ``${lessmem.data_root:<name>}``."""
+    return Path(os.environ.get(DATA_ENV) or DEFAULT_DATA_DIR) / name
+
+
+def register_config_resolvers() -> None:
+    """Make ``${lessmem.data_root:NAME}`` resolvable in composed configs."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("lessmem.data_root"):
+        OmegaConf.register_new_resolver("lessmem.data_root", lambda name: str(default_data_root(name)))
 
 
 def resolve_path(path: str | os.PathLike[str]) -> Path:

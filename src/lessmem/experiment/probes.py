@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lessmem.core import compressed_layers, measure_memory, uncompress
-from lessmem.experiment.config import autocast
 from lessmem.experiment.distributed import all_reduce_mean_, all_reduce_sum
+from lessmem.experiment.runtime import autocast
 
 
 def first_batch(loader: Any, n: int) -> tuple[Tensor, Tensor]:

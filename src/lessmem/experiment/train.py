@@ -3,9 +3,10 @@
 Writes to ``cfg.out_dir``: ``config.yaml`` (resolved), ``memory.json`` (saved-bytes measurement,
 before the first epoch), ``metrics.jsonl`` (one line per epoch), ``checkpoint.pt`` (atomic),
 ``metrics.json`` (final, memory fields included), and ``grad_cosine.jsonl`` when enabled.
-The pieces live in their own modules: ``config`` (builders), ``distributed``, ``checkpoint``,
-``probes`` (measurements), ``adaptive`` and ``coverage_report``; ``lessmem.cli`` is the console
-entry (``python -m lessmem.cli.train`` runs it).
+``run`` reads top-down: place the run (``runtime``, ``distributed``), build the model
+(``model``), data (``data``), optimizer and schedule (``optim``), measure (``probes``), restore
+(``checkpoint``), then train epoch by epoch (``adaptive`` re-assigns kernels on the way).
+``lessmem.cli.train`` is the console entry.
 """
 
 from __future__ import annotations
@@ -25,29 +26,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from lessmem.experiment.adaptive import adapt_compression
-from lessmem.experiment.checkpoint import (
-    atomic_torch_save,
-    atomic_write_text,
-    check_compatible,
-    read_checkpoint,
-    rng_state,
-    seed_everything,
-    set_rng_state,
-)
-from lessmem.experiment.config import (
-    autocast,
-    build_model_from_cfg,
-    build_optimizer,
-    build_scheduler,
-    compress_from_config,
-    compression_map,
-    open_struct,
-    resolve_device,
-    validate,
-)
+from lessmem.experiment.checkpoint import checkpoint_to_resume, restore_checkpoint, save_checkpoint
+from lessmem.experiment.compose import open_struct
 from lessmem.experiment.coverage_files import write_coverage
 from lessmem.experiment.data import build_loaders
 from lessmem.experiment.distributed import (
+    DistInfo,
     all_reduce_sum,
     broadcast_object,
     is_main_process,
@@ -56,9 +40,14 @@ from lessmem.experiment.distributed import (
     unwrap,
 )
 from lessmem.experiment.faults import fault_point
+from lessmem.experiment.files import atomic_write_text
 from lessmem.experiment.loggers import Logger as NullLogger
 from lessmem.experiment.loggers import build_logger
+from lessmem.experiment.model import build_model_from_cfg, compress_as_configured, wrap_for_training
+from lessmem.experiment.optim import build_optimizer, build_scheduler
 from lessmem.experiment.probes import evaluate, first_batch, first_images, grad_cosine, measure
+from lessmem.experiment.runtime import autocast, resolve_device, validate
+from lessmem.experiment.seeds import epoch_seed, seed_everything
 
 TIME_KEYS = ("epoch_time_s", "throughput_img_s", "train_time_s")  # differ between identical runs
 
@@ -70,13 +59,9 @@ def default_out_dir() -> Path:
 EpochCallback = Callable[[int, dict[str, Any]], None]
 
 
-def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str, Any]:
-    """Train ``cfg.model`` on ``cfg.dataset`` with ``cfg.compression``; returns the final metrics.
-
-    ``on_epoch_end(epoch, record)`` is called on the main process after each epoch's evaluation
-    and checkpoint (epoch counts from 1; ``record`` has ``val_top1`` etc.). An exception it raises
-    (e.g. ``optuna.TrialPruned``) ends the run after the checkpoint, so nothing is lost."""
-    cfg = copy.deepcopy(cfg)
+def place_run(cfg: DictConfig) -> tuple[DistInfo, torch.device, Path]:
+    """The run's process group, device and output directory (``cfg.out_dir`` set to it), with the
+    settings checked against the device before anything is built."""
     device = resolve_device(str(cfg.device))
     # Under torchrun: batch_size is per rank (global batch = world_size x batch_size), each rank
     # trains on its shard of every global batch, rank 0 writes files and talks to W&B.
@@ -88,13 +73,19 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
         cfg.out_dir = str(out_dir)
     validate(cfg, device)
     out_dir.mkdir(parents=True, exist_ok=True)
+    return ddp, device, out_dir
+
+
+def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str, Any]:
+    """Train ``cfg.model`` on ``cfg.dataset`` with ``cfg.compression``; returns the final metrics.
+
+    ``on_epoch_end(epoch, record)`` is called on the main process after each epoch's evaluation
+    and checkpoint (epoch counts from 1; ``record`` has ``val_top1`` etc.). An exception it raises
+    (e.g. ``optuna.TrialPruned``) ends the run after the checkpoint, so nothing is lost."""
+    cfg = copy.deepcopy(cfg)
+    ddp, device, out_dir = place_run(cfg)
     ckpt_path = out_dir / "checkpoint.pt"
-    if cfg.resume and not ckpt_path.exists():
-        raise FileNotFoundError(
-            f"resume=true but there is no checkpoint at {ckpt_path}; point out_dir (or hydra.run.dir) "
-            "at the directory of the run to continue"
-        )
-    ckpt = read_checkpoint(ckpt_path, device) if cfg.resume else None  # unreadable: fail now
+    ckpt = checkpoint_to_resume(cfg, ckpt_path, device)
     seed = int(cfg.seed)
     seed_everything(seed)
 
@@ -104,13 +95,7 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
         rank=ddp.rank, world_size=ddp.world_size,
     )
     stock = copy.deepcopy(model)
-    mapping = compression_map(cfg.compression)
-    try:
-        compress_from_config(model, mapping, cfg)
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            f"compression {cfg.compression.get('name', '?')!r} does not fit model {cfg.model.name!r}: {e}"
-        ) from e
+    compress_as_configured(model, cfg)
     model.to(device)
     memory_format = torch.channels_last if cfg.get("channels_last") else torch.contiguous_format
     model.to(memory_format=memory_format)
@@ -122,17 +107,7 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
     coverage = None
     if cfg.get("coverage") and ddp.is_main:
         coverage = write_coverage(model, x_memory.to(device), out_dir, f"{cfg.model.name} / {cfg.compression.get('name', 'custom')}")
-    net = model  # the module itself: optimizer, checkpoints, evaluation, grad cosine
-    if ddp.world_size > 1:
-        if cfg.get("sync_bn"):
-            net = model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        # Compressed layers are autograd Functions with ordinary parameters: DDP's hooks
-        # all-reduce (average) their weight gradients like any other layer's.
-        model = nn.parallel.DistributedDataParallel(
-            net, device_ids=[device.index] if device.type == "cuda" else None)
-    if cfg.get("compile"):
-        # Compressed layers are custom ops under torch.compile: traced, not graph breaks.
-        model = torch.compile(model, mode=cfg.get("compile_mode") or None)
+    net, model = wrap_for_training(model, cfg, ddp, device)
 
     criterion = nn.CrossEntropyLoss(label_smoothing=float(cfg.get("label_smoothing", 0.0)))
     optimizer = build_optimizer(cfg.optimizer, net.parameters())
@@ -142,26 +117,11 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
 
     adaptive = cfg.get("adaptive") or {}
     adapt_every = int(adaptive.get("every") or 0)
-    if adapt_every and cfg.get("compile"):
-        raise ValueError("adaptive.every > 0 re-assigns kernels during training; it cannot be combined with compile=true")
     probe = first_batch(val_loader, int(adaptive.get("probe_batch", 32))) if adapt_every else None
 
     start_epoch, history, adaptive_map = 0, [], None
     if ckpt is not None:
-        check_compatible(ckpt.get("config", {}), OmegaConf.to_container(cfg, resolve=True))
-        net.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        # Recompute the lr from the (possibly longer) schedule: resuming with more epochs than
-        # the checkpointed run stretches the cosine instead of continuing from its end value.
-        for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
-            group["lr"] = base * fn(scheduler.last_epoch)
-        scaler.load_state_dict(ckpt["scaler"])
-        set_rng_state(ckpt["rng"])
-        start_epoch, history = int(ckpt["epoch"]), list(ckpt["history"])
-        if ckpt.get("adaptive_map") is not None:  # the kernels in force when it was saved
-            adaptive_map = ckpt["adaptive_map"]
-            compress_from_config(net, adaptive_map, cfg)
+        start_epoch, history, adaptive_map = restore_checkpoint(ckpt, cfg, net, optimizer, scheduler, scaler)
         ckpt = None  # its tensors are copies on the device: free them
     if ddp.is_main:
         # Rewrite from the checkpoint: drops lines of epochs that finished after the last checkpoint.
@@ -174,9 +134,7 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
         if coverage is not None:
             logger.table("coverage", coverage.as_records())
         for epoch in range(start_epoch, int(cfg.epochs)):
-            # Reseeding per epoch makes an epoch's randomness independent of earlier epochs, so a
-            # resumed run matches an uninterrupted one without replaying RNG streams.
-            torch.manual_seed(seed * 100_003 + epoch)
+            torch.manual_seed(epoch_seed(seed, epoch))
             train_loader.set_epoch(epoch)
             if adapt_every and epoch % adapt_every == 0:
                 adaptive_map = adapt_compression(net, probe, adaptive, cfg, epoch, x_memory, out_dir,
@@ -191,13 +149,8 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
             logger.log(_wandb_names(record))
             done = epoch + 1
             if ddp.is_main and (done % int(cfg.checkpoint_every) == 0 or done == int(cfg.epochs)):
-                atomic_torch_save({
-                    "model": net.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                    "epoch": done, "rng": rng_state(), "history": history, "memory": memory,
-                    "config": OmegaConf.to_container(cfg, resolve=True),
-                    "adaptive_map": adaptive_map if adapt_every else None,
-                }, ckpt_path)
+                save_checkpoint(ckpt_path, net, optimizer, scheduler, scaler, epoch=done, history=history,
+                                memory=memory, cfg=cfg, adaptive_map=adaptive_map if adapt_every else None)
             if on_epoch_end is not None and ddp.is_main:
                 on_epoch_end(done, record)
         metrics = summarize(cfg, history, memory)

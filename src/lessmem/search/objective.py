@@ -22,7 +22,7 @@ from typing import Any
 import optuna
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lessmem.experiment.train import run
+from lessmem.experiment import run
 from lessmem.layer_sensitivity import SensitivityResult, group_layers, write_map_yaml
 
 

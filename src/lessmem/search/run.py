@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lessmem.experiment.config import compose_config
+from lessmem.experiment import compose_config
 from lessmem.search.objective import Objective, param_name, seed_maps
 from lessmem.search.report import write_report
 from lessmem.search.sensitivity_cache import study_sensitivity

@@ -10,9 +10,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from lessmem.experiment.checkpoint import load_checkpoint
-from lessmem.experiment.config import build_model_from_cfg
-from lessmem.experiment.data import fixed_batches
+from lessmem.experiment import build_model_from_cfg, fixed_batches, load_checkpoint
 from lessmem.layer_sensitivity import SensitivityResult, sensitivity
 
 

@@ -1,0 +1,91 @@
+"""Hooks that turn one stock backward into every kernel's weight-gradient fidelity.
+
+Compression only changes what a conv keeps for its *weight* gradient; the input gradient uses the
+weight alone and stays exact. So with exact companions and native norm storage every layer's
+output gradient is the same whatever kernel any layer uses, and for each Conv2d the compressed
+weight gradient for kernel k is exactly
+
+    convolution_backward(grad_out, expand_blocks(pool_blocks(x, k), k), weight, ...)[1]
+
+with ``x`` the layer's input and ``grad_out`` its output gradient from the stock pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lessmem.core.ops import expand_blocks, pool_blocks
+from lessmem.layer_sensitivity.geometry import ConvLayer
+
+
+def _weight_grad(layer: ConvLayer, grad_out: Tensor, x: Tensor) -> Tensor:
+    m = layer.module
+    return torch.ops.aten.convolution_backward(
+        grad_out, x, m.weight.detach(), None, layer.stride, layer.padding, m.dilation,
+        False, [0, 0], m.groups, [False, True, False],
+    )[1]
+
+
+def _fidelity(exact: Tensor, approx: Tensor) -> tuple[float, float]:
+    """(cosine, relative L2 error) in float64; an all-zero exact gradient counts as perfect."""
+    e, a = exact.double().flatten(), approx.double().flatten()
+    norm = e.norm()
+    if norm == 0:
+        return (1.0, 0.0) if a.norm() == 0 else (0.0, math.inf)
+    cos = float(torch.dot(e, a) / (norm * a.norm()).clamp_min(1e-300))
+    return cos, float((a - e).norm() / norm)
+
+
+class GradientRecorder:
+    """Forward hooks keep each layer's input; a tensor hook on the output computes all kernels'
+    weight gradients as soon as the output gradient arrives, then drops the input."""
+
+    def __init__(self, layers: list[ConvLayer], kernels: Sequence[int]) -> None:
+        self.layers, self.kernels = layers, list(kernels)
+        self.stats: dict[str, list[tuple[float, float]]] = {}  # "layer/k" -> [(cos, rel)]
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.elem: dict[str, int] = {}
+        self.groups: dict[str, tuple[int, tuple[int, ...], str]] = {}
+        self._inputs: dict[str, tuple[Tensor, int]] = {}
+
+    def forward_hook(self, layer: ConvLayer) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> None:
+            x = args[0]
+            if not torch.is_grad_enabled() or not out.requires_grad:
+                return
+            x = x.detach()
+            n, c, h, w = x.shape
+            self.shapes[layer.name] = (n, c, h + layer.extra[0], w + layer.extra[1])
+            self.elem[layer.name] = x.element_size()
+            # Same storage and shape: one tensor read by several convs (stored once by the core).
+            # A pre-padded input is a fresh tensor per conv, so it never shares.
+            owner = layer.name if layer.pre_pad is not None else ""
+            self.groups[layer.name] = (x.untyped_storage().data_ptr(), tuple(x.shape), owner)
+            self._inputs[layer.name] = (x, x._version)
+            out.register_hook(lambda g: self._backward(layer, g))
+        return hook
+
+    def drop_inputs(self) -> None:
+        """Forget inputs whose layer's output did not reach the loss (no backward came)."""
+        self._inputs.clear()
+
+    def _backward(self, layer: ConvLayer, grad_out: Tensor) -> None:
+        x, version = self._inputs.pop(layer.name)
+        if x._version != version:
+            raise RuntimeError(f"input of {layer.name} was modified in place after the conv; "
+                               "sensitivity needs it unchanged (use non-inplace ops before it)")
+        if layer.pre_pad is not None:
+            x = layer.pre_pad(x)
+        exact = _weight_grad(layer, grad_out, x)
+        for k in self.kernels:
+            approx = exact if k == 1 else _weight_grad(
+                layer, grad_out, expand_blocks(pool_blocks(x, (k, k)), (k, k), x.shape[-2:]))
+            self.stats.setdefault(f"{layer.name}/{k}", []).append(_fidelity(exact, approx))
+
+    def pooled_bytes(self, name: str, k: int) -> int:
+        n, c, h, w = self.shapes[name]
+        return n * c * math.ceil(h / k) * math.ceil(w / k) * self.elem[name]

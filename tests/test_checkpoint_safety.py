@@ -1,0 +1,97 @@
+"""Checkpoints load with ``weights_only=True``: a file whose pickle would run code is refused
+(resume, ``load_checkpoint``, ``sensitivity.checkpoint=``) with one error line, and what a run
+saves (RNG state included) loads that way."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lessmem.cli import sensitivity
+from lessmem.experiment import load_checkpoint
+from lessmem.experiment.checkpoint import RESUME_KEYS
+from lessmem.experiment.seeds import rng_state, set_rng_state
+
+SENSITIVITY_BASE = ["model=resnet20", "dataset=synthetic", "dataset.size=16", "device=cpu"]
+TINY = ["model=resnet20", "dataset=synthetic", "dataset.size=32", "dataset.val_size=16", "batch_size=16",
+        "memory_batch=2", "epochs=1", "logger=disabled", "device=cpu"]
+
+
+class RunsCode:
+    """Unpickling it runs ``touch <marker>``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def code_running_checkpoint(folder: Path) -> tuple[Path, Path]:
+    """(checkpoint.pt with every resume key, one of them a payload; the marker it would create)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    marker = folder / "pwned"
+    ckpt = {key: 0 for key in RESUME_KEYS} | {"model": RunsCode(marker)}
+    torch.save(ckpt, folder / "checkpoint.pt")
+    return folder / "checkpoint.pt", marker
+
+
+def test_resume_cli_refuses_code_running_checkpoint(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _, marker = code_running_checkpoint(run_dir)
+    exe = shutil.which("lessmem-train")
+    cmd = [exe] if exe else [sys.executable, "-m", "lessmem.cli.train"]
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "LESSMEM_FAULT")}
+    proc = subprocess.run([*cmd, *TINY, f"hydra.run.dir={run_dir}", "resume=true"], cwd=tmp_path,
+                          env={**env, "WANDB_MODE": "disabled"}, capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("lessmem-train: error: ") and "could run code" in lines[0]
+    assert not marker.exists()
+
+
+def test_load_checkpoint_refuses_code_running_checkpoint(tmp_path: Path) -> None:
+    path, marker = code_running_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="objects other than tensors and plain data.*GLOBAL .*system"):
+        load_checkpoint(torch.nn.Linear(2, 2), path)
+    assert not marker.exists()
+
+
+def test_sensitivity_refuses_code_running_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path, marker = code_running_checkpoint(tmp_path)
+    argv = [*SENSITIVITY_BASE, f"sensitivity.checkpoint={path}", f"sensitivity.out={tmp_path / 'o'}"]
+    assert sensitivity.main(argv) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("lessmem-sensitivity: error: checkpoint"), lines
+    assert "could run code" in lines[0]
+    assert not marker.exists()
+
+
+def test_load_checkpoint_takes_state_dict_or_training_checkpoint(tmp_path: Path) -> None:
+    source = torch.nn.Linear(2, 2)
+    torch.save(source.state_dict(), tmp_path / "weights.pt")
+    torch.save({"model": source.state_dict(), "epoch": 3}, tmp_path / "checkpoint.pt")
+    for name in ("weights.pt", "checkpoint.pt"):
+        target = torch.nn.Linear(2, 2)
+        load_checkpoint(target, tmp_path / name)
+        assert torch.equal(target.weight, source.weight), name
+
+
+def test_rng_state_survives_weights_only_round_trip(tmp_path: Path) -> None:
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    np.random.standard_normal()  # a cached Gaussian is part of numpy's state
+    torch.save({"rng": rng_state()}, tmp_path / "rng.pt")
+    expected = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3))
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)["rng"])
+    again = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3))
+    assert again[:2] == expected[:2] and torch.equal(again[2], expected[2])

@@ -1,0 +1,81 @@
+"""Data: fixed probe batches decode only their own files, and the DataLoader path shards its
+batches over ranks like the tensor loader (N ranks with batch B == one process with batch N*B)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from lessmem.experiment import compose_config, default_data_root
+from lessmem.experiment.data import DatasetLoader, TensorLoader, build_datasets, fixed_batches
+from lessmem.experiment.data import cache as decode_cache
+
+
+def image_folder(root: Path, per_class: dict[str, int]) -> None:
+    """``root/{train,test}/<class>/*.png``: 32x32 images of random pixels."""
+    rng = np.random.default_rng(0)
+    for split, scale in (("train", 1), ("test", 2)):
+        for cls, n in per_class.items():
+            folder = root / split / cls
+            folder.mkdir(parents=True)
+            for i in range(max(1, n // scale)):
+                Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+
+
+@pytest.fixture
+def decoded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
+    """Every file decoded from now on (the cache goes to a fresh folder)."""
+    monkeypatch.setenv("LESSMEM_CACHE", str(tmp_path / "cache"))
+    seen: list[str] = []
+    decode = decode_cache.decode_image
+
+    def counting(path: str, size: int | None) -> np.ndarray:
+        seen.append(path)
+        return decode(path, size)
+
+    monkeypatch.setattr(decode_cache, "decode_image", counting)
+    return seen
+
+
+def test_fixed_batches_decode_only_their_files(tmp_path: Path, decoded: list[str]) -> None:
+    image_folder(tmp_path / "data", {"cat": 20, "dog": 20})
+    cfg = compose_config([f"dataset.root={tmp_path / 'data'}", "seed=3"])
+    batches = fixed_batches(cfg, 1, 8, seed=3)
+    assert len(decoded) == 8 and len(set(decoded)) == 8
+    # The same images as the first batch of an un-augmented training loader over the whole split.
+    train, _ = build_datasets(cfg.dataset)
+    assert len(decoded) == 8 + 40 + 20
+    loader = TensorLoader(train, 8, shuffle=True, augment=False, mean=cfg.dataset.mean, std=cfg.dataset.std,
+                          seed=3, drop_last=True)
+    x, y = next(iter(loader))
+    assert len(batches) == 1 and torch.equal(batches[0][0], x) and torch.equal(batches[0][1], y)
+    with pytest.raises(ValueError, match="only 2 batches of 8 \\(val split\\), asked for 3"):
+        fixed_batches(cfg, 3, 8, split="val")
+
+
+def test_dataset_loader_shards_equal_global_batch() -> None:
+    data = torch.utils.data.TensorDataset(torch.arange(20.0)[:, None], torch.arange(20))
+    full = DatasetLoader(data, 6, shuffle=True, workers=0, seed=3)
+    shards = [DatasetLoader(data, 3, shuffle=True, workers=0, seed=3, rank=r, world_size=2) for r in range(2)]
+    first_labels = []
+    for epoch in (0, 1):
+        for loader in (full, *shards):
+            loader.set_epoch(epoch)
+        one, parts = list(full), [list(s) for s in shards]
+        assert len(one) == len(full) == 3 and all(len(p) == 3 for p in parts)
+        for step, (_, y) in enumerate(one):
+            assert torch.equal(torch.cat([parts[0][step][1], parts[1][step][1]]), y)
+        first_labels.append(one[0][1].tolist())
+    assert first_labels[0] != first_labels[1]  # a fresh order every epoch
+
+
+def test_default_data_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LESSMEM_DATA", "/data/here")
+    assert default_data_root("cifar10") == Path("/data/here/cifar10")
+    assert compose_config(["dataset=imagenet"]).dataset.root == "/data/here/imagenet"
+    monkeypatch.delenv("LESSMEM_DATA")
+    assert compose_config([]).dataset.root == "../shared/data/cifar10"
