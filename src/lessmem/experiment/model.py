@@ -7,7 +7,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from lessmem.experiment.compression import compress_from_config, compression_map
+from lessmem.experiment.compression import compress_from_config, resolve_compression
 from lessmem.experiment.distributed import DistInfo
 from lessmem.models import build_model
 
@@ -22,13 +22,11 @@ def build_model_from_cfg(cfg: DictConfig) -> nn.Module:
 def compress_as_configured(model: nn.Module, cfg: DictConfig) -> None:
     """Apply the configured compression map; a map that does not fit the model is a ValueError
     naming both."""
-    mapping = compression_map(cfg.compression)
+    choice = resolve_compression(cfg.compression)
     try:
-        compress_from_config(model, mapping, cfg)
+        compress_from_config(model, choice.map, cfg)
     except (ValueError, TypeError) as e:
-        raise ValueError(
-            f"compression {cfg.compression.get('name', '?')!r} does not fit model {cfg.model.name!r}: {e}"
-        ) from e
+        raise ValueError(f"compression {choice.name!r} does not fit model {cfg.model.name!r}: {e}") from e
 
 
 def wrap_for_training(model: nn.Module, cfg: DictConfig, ddp: DistInfo,

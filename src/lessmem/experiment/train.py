@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from tqdm.auto import tqdm
 from lessmem.experiment.adaptive import adapt_compression
 from lessmem.experiment.checkpoint import checkpoint_to_resume, restore_checkpoint, save_checkpoint
 from lessmem.experiment.compose import open_struct
+from lessmem.experiment.compression import resolve_compression
 from lessmem.experiment.coverage_files import write_coverage
 from lessmem.experiment.data import build_loaders
 from lessmem.experiment.distributed import (
@@ -48,6 +50,8 @@ from lessmem.experiment.optim import build_optimizer, build_scheduler
 from lessmem.experiment.probes import evaluate, first_batch, first_images, grad_cosine, measure
 from lessmem.experiment.runtime import autocast, resolve_device, validate
 from lessmem.experiment.seeds import epoch_seed, seed_everything
+
+log = logging.getLogger(__name__)
 
 TIME_KEYS = ("epoch_time_s", "throughput_img_s", "train_time_s")  # differ between identical runs
 
@@ -102,11 +106,19 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
     x_memory = first_images(val_loader, int(cfg.memory_batch))
     memory = measure(stock, model, x_memory, device, cfg.precision)
     del stock
+    choice = resolve_compression(cfg.compression)
+    memory.update(choice.record())
+    if ddp.is_main and memory["ratio"] > 1:
+        log.warning("lessmem: compression %r (%s) keeps %.3fx the stock bytes (%.2f vs %.2f MiB): it "
+                    "costs memory instead of saving it%s", choice.name, choice.digest, memory["ratio"],
+                    memory["saved_bytes"] / 2**20, memory["stock_saved_bytes"] / 2**20,
+                    "" if choice.exact_companions else "; exact_companions is off, so ReLU and "
+                    "max-pool keep full tensors beside the pooled copies")
     if ddp.is_main:  # reports of a run in progress read it here, never from the pickled checkpoint
         atomic_write_text(json.dumps(memory, indent=2), out_dir / "memory.json")
     coverage = None
     if cfg.get("coverage") and ddp.is_main:
-        coverage = write_coverage(model, x_memory.to(device), out_dir, f"{cfg.model.name} / {cfg.compression.get('name', 'custom')}")
+        coverage = write_coverage(model, x_memory.to(device), out_dir, f"{cfg.model.name} / {choice.name}")
     net, model = wrap_for_training(model, cfg, ddp, device)
 
     criterion = nn.CrossEntropyLoss(label_smoothing=float(cfg.get("label_smoothing", 0.0)))
@@ -223,7 +235,7 @@ def summarize(cfg: DictConfig, history: list[dict[str, Any]], memory: dict[str, 
     last = history[-1]
     return {
         "model": cfg.model.name, "dataset": cfg.dataset.name,
-        "compression": cfg.compression.get("name"), "seed": int(cfg.seed),
+        "seed": int(cfg.seed),
         "epochs": len(history),
         "final_top1": last["val_top1"], "final_top5": last["val_top5"], "final_val_loss": last["val_loss"],
         "final_train_loss": last["train_loss"],

@@ -13,7 +13,7 @@ import yaml
 # saved_bytes: saved-for-backward bytes of the compressed model on the memory batch; peak_bytes:
 # CUDA peak of one train step (None on CPU); ratio: saved_bytes / stock_saved_bytes (the same
 # model uncompressed, same batch).
-COLUMNS = ["name", "map", "kernels", "saved_bytes", "stock_saved_bytes", "peak_bytes", "ratio",
+COLUMNS = ["name", "map", "map_hash", "kernels", "saved_bytes", "stock_saved_bytes", "peak_bytes", "ratio",
            "top1", "top5", "train_time_s", "epochs"]
 MiB = 2**20
 
@@ -53,14 +53,18 @@ def row_from(cfg: Mapping[str, Any], metrics: Mapping[str, Any], *, name: str | 
              path: str = "", base: Path | None = None) -> dict[str, Any]:
     """A ``COLUMNS`` row (plus history/path/complete) from a resolved config and metrics."""
     ccfg = cfg.get("compression") or {}
-    mapping = _load_map(cfg, base or Path(path or "."))
+    # Runs record their map, its name and hash (the config alone can mislabel a map_file run).
+    mapping = metrics.get("compression_map")
+    if mapping is None:
+        mapping = _load_map(cfg, base or Path(path or "."))
     comp = metrics.get("compression") or ccfg.get("name") or "?"
     saved, stock = metrics.get("saved_bytes"), metrics.get("stock_saved_bytes")
     ratio = metrics.get("ratio")
     if ratio is None and saved and stock:
         ratio = saved / stock
     return {
-        "name": name or comp, "map": comp, "kernels": kernel_summary(mapping),
+        "name": name or comp, "map": comp, "map_hash": metrics.get("compression_hash"),
+        "kernels": kernel_summary(mapping),
         "saved_bytes": saved, "stock_saved_bytes": stock, "peak_bytes": metrics.get("cuda_peak_bytes"),
         "ratio": ratio, "top1": metrics.get("final_top1"), "top5": metrics.get("final_top5"),
         "train_time_s": metrics.get("train_time_s"),
