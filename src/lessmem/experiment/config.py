@@ -13,8 +13,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from lessmem.core import compress
-from lessmem.core.mapping import parse_spec
+from lessmem.core import compress, parse_spec
 from lessmem.experiment.distributed import world_size
 from lessmem.experiment.paths import conf_dir, resolve_path
 from lessmem.models import build_model

@@ -11,8 +11,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from lessmem.core import coverage
-from lessmem.core.coverage import CoverageReport
+from lessmem.core import CoverageReport, coverage
 
 
 def coverage_for_config(cfg, batch: int | None = None) -> CoverageReport:

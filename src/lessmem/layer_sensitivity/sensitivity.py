@@ -32,8 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lessmem.core.ops import expand_blocks, pool_blocks
-from lessmem.core.patterns import first_match
+from lessmem.core import expand_blocks, first_match, pool_blocks
 
 log = logging.getLogger(__name__)
 
