@@ -11,6 +11,7 @@ Other layers use the core through the names exported here.
 from lessmem.core.compress import compress, compressed_layers, uncompress
 from lessmem.core.coverage import CoverageReport, coverage
 from lessmem.core.functions.pooling import expand_blocks, pool_blocks
+from lessmem.core.kernels.cpu import build_cpu_kernels
 from lessmem.core.mapping import compressible_layers, resolve_mapping
 from lessmem.core.memory import MemoryReport, measure_memory
 from lessmem.core.patterns import first_match
@@ -22,6 +23,7 @@ __all__ = [
     "CoverageReport",
     "LayerSpec",
     "MemoryReport",
+    "build_cpu_kernels",
     "compress",
     "compressed_layers",
     "compressible_layers",
