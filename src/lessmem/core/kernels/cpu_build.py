@@ -28,10 +28,10 @@ SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("masks.cpp", "pooling.cpp", "maxpool.cpp", "depthwise.cpp", "bindings.cpp")
 HEADERS = ("lessmem_cpu.h",)
 ISA_FLAGS = {
-    "avx2": ["-O3", "-mavx2", "-mfma", "-fopenmp"],
-    "scalar": ["-O3", "-fopenmp"],
+    "avx2": ("-O3", "-mavx2", "-mfma", "-fopenmp"),
+    "scalar": ("-O3", "-fopenmp"),
 }
-LINK_FLAGS = ["-fopenmp"]
+LINK_FLAGS = ("-fopenmp",)
 ISA_ENV = "LESSMEM_CPU_ISA"
 
 
@@ -97,7 +97,7 @@ def load_kernels() -> ModuleType:
     if not (directory / f"{name}.so").exists():
         print(f"lessmem: building fused CPU kernels ({isa}) once into {directory}, ~1 min; "
               "lessmem-kernels prebuilds them", file=sys.stderr, flush=True)
-    return extension.load(
-        name=name, sources=[str(SOURCE_DIR / s) for s in SOURCES], extra_cflags=ISA_FLAGS[isa],
-        extra_ldflags=LINK_FLAGS, build_directory=str(directory), verbose=False,
+    return extension.load(  # fresh lists: load appends its own flags to them
+        name=name, sources=[str(SOURCE_DIR / s) for s in SOURCES], extra_cflags=list(ISA_FLAGS[isa]),
+        extra_ldflags=list(LINK_FLAGS), build_directory=str(directory), verbose=False,
     )
