@@ -4,6 +4,7 @@ compiler means the torch reference with a warning; nothing on stderr once built.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import shutil
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import lessmem
 from lessmem.core.kernels import cpu, cpu_build
 
 BUILD_LINE = "lessmem: building fused CPU kernels"
@@ -46,6 +48,18 @@ def test_binary_is_keyed_by_isa_sources_and_flags(tmp_path, monkeypatch) -> None
         f.write("// edited\n")
     monkeypatch.setattr(cpu_build, "SOURCE_DIR", edited)
     assert cpu_build.extension_name("avx2") != names["avx2"]
+
+
+def test_the_sources_ship_as_package_data() -> None:
+    """A wheel compiles the kernels from its own copy: pyproject's package data covers every file
+    the build reads."""
+    tomllib = pytest.importorskip("tomllib")
+    config = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    patterns = config["tool"]["setuptools"]["package-data"]["lessmem"]
+    package = Path(lessmem.__file__).parent
+    for name in (*cpu_build.SOURCES, *cpu_build.HEADERS):
+        path = (cpu_build.SOURCE_DIR / name).relative_to(package).as_posix()
+        assert any(fnmatch.fnmatch(path, p) for p in patterns), path
 
 
 @pytest.mark.parametrize("machine, capability, forced, isa", [

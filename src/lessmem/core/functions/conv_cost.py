@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from lessmem.core.functions.pooling import Pair
 from lessmem.core.kernels import cpu as cpu_kernels
-
-Pair = tuple[int, int]
 
 # The pooled-grid weight gradient saves multiply-adds in proportion to output positions × weight
 # size, and costs a few extra passes over the weight (gradient layout, tap gather): below this

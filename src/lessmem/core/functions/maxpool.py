@@ -8,8 +8,6 @@ from torch import Tensor
 
 from lessmem.core.kernels import cpu as cpu_kernels
 
-Pair = tuple[int, int]
-
 
 class CompactMaxPool2dFunction(torch.autograd.Function):
     """max_pool2d that saves the argmax position inside each window as uint8 (not the input and
@@ -66,7 +64,7 @@ def _pooled_size(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> 
     return out
 
 
-def _window_origins(out_hw, stride: Pair, padding: Pair, device) -> tuple[Tensor, Tensor]:
+def _window_origins(out_hw, stride: tuple[int, int], padding: tuple[int, int], device) -> tuple[Tensor, Tensor]:
     rows = torch.arange(out_hw[0], device=device) * stride[0] - padding[0]
     cols = torch.arange(out_hw[1], device=device) * stride[1] - padding[1]
     return rows[:, None], cols[None, :]

@@ -8,8 +8,9 @@ build says so explicitly (``-mavx2 -mfma``), never ``-march=native``: the binary
 every CPU that reports AVX2, not only on the one that built it. ``LESSMEM_CPU_ISA=scalar``
 forces the portable build (``avx2`` is accepted only where the CPU has it).
 
-Several processes may build at once (one job starting many workers): torch's ``load`` takes a
-file lock in the build directory, one process compiles and the others wait for it, then load.
+Several processes may build at once (one job starting many workers): torch's ``load`` holds an
+OS-level lock on ``<build dir>/lock`` while it builds, so one process compiles and the others
+wait for it, then load (a killed builder releases the lock; the next process rebuilds).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class _DropMessage(logging.Filter):
         return not record.getMessage().startswith(self.prefix)
 
 
-def cpp_extension() -> ModuleType:
+def _cpp_extension() -> ModuleType:
     """``torch.utils.cpp_extension``, imported without the "No CUDA runtime is found" warning
     it logs on CPU-only machines with a CUDA build of torch: these kernels need no CUDA."""
     logger = logging.getLogger("torch.utils.cpp_extension")
@@ -88,7 +89,7 @@ def cpp_extension() -> ModuleType:
 def load_kernels() -> ModuleType:
     """The kernels for this CPU, compiled first if no process has built them yet (one line on
     stderr says so: it takes about a minute)."""
-    extension = cpp_extension()
+    extension = _cpp_extension()
     isa = cpu_isa()
     name = extension_name(isa)
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or extension.get_default_build_root()
@@ -98,6 +99,20 @@ def load_kernels() -> ModuleType:
         print(f"lessmem: building fused CPU kernels ({isa}) once into {directory}, ~1 min; "
               "lessmem-kernels prebuilds them", file=sys.stderr, flush=True)
     return extension.load(  # fresh lists: load appends its own flags to them
-        name=name, sources=[str(SOURCE_DIR / s) for s in SOURCES], extra_cflags=list(ISA_FLAGS[isa]),
+        name=name, sources=_sources_in(directory), extra_cflags=list(ISA_FLAGS[isa]),
         extra_ldflags=list(LINK_FLAGS), build_directory=str(directory), verbose=False,
     )
+
+
+def _sources_in(directory: Path) -> list[str]:
+    """The sources, copied into the build directory: every install of the same sources (a
+    checkout, a wheel in a venv) then builds from the same paths, where other paths would make
+    ninja rebuild the shared binary. A file is written only when its content differs (a fresh
+    mtime would rebuild it too), and atomically (another process may be about to compile it)."""
+    for name in (*SOURCES, *HEADERS):
+        text, target = (SOURCE_DIR / name).read_bytes(), directory / name
+        if not target.is_file() or target.read_bytes() != text:
+            partial = directory / f".{name}.{os.getpid()}"
+            partial.write_bytes(text)
+            os.replace(partial, target)
+    return [str(directory / name) for name in SOURCES]
