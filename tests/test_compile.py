@@ -34,8 +34,8 @@ def test_resnet18_compiled_matches_eager():
     compiled = grads_of(compiled_model, model, x)
     for name, g in eager.items():
         torch.testing.assert_close(compiled[name], g, rtol=1e-3, atol=1e-5, msg=name)
-    eager_kept = saved_tensors_of(model, lambda: model(x))[0]
-    compiled_kept = saved_tensors_of(compiled_model, lambda: compiled_model(x))[0]
+    eager_kept = saved_tensors_of(model, (x,))[0]
+    compiled_kept = saved_tensors_of(compiled_model, (x,))[0]
     # Never more than eager keeps: no full-size conv input sneaks back in. The partitioner may keep
     # less: pooling is now cheap pointwise sums, so it can recompute a pooled conv input (and ReLU
     # masks, BatchNorm statistics) from the BatchNorm input it keeps anyway.
@@ -43,7 +43,7 @@ def test_resnet18_compiled_matches_eager():
     assert total_bytes(compiled_kept) <= total_bytes(eager_kept)
     stock = copy.deepcopy(model)
     lessmem.uncompress(stock)
-    stock_kept = saved_tensors_of(stock, lambda: stock(x))[0]
+    stock_kept = saved_tensors_of(stock, (x,))[0]
     assert total_bytes(compiled_kept) < 0.7 * total_bytes(stock_kept)
 
 
@@ -88,7 +88,7 @@ def test_compiled_linear_tokens(storage):
 def test_pooling_and_mask_custom_ops(fused, channels_last, monkeypatch):
     """The ops the compiled graph calls: fake kernels agree with the real ones (opcheck), and the
     mask ops give ReLU / Hardtanh values and gradients, with and without the fused kernels."""
-    from lessmem.core import custom_ops  # noqa: F401  (registers the ops)
+    from lessmem.core.functions import custom_ops  # noqa: F401  (registers the ops)
 
     monkeypatch.setenv("LESSMEM_CPU_KERNELS", fused)
     torch.manual_seed(0)

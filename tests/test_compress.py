@@ -276,7 +276,7 @@ def test_compact_maxpool_matches_stock_on_hard_inputs(fused, monkeypatch):
     ties (integer inputs: the first maximum wins), NaN (it wins), all -inf windows, padding,
     dilation, ceil_mode, strides 1-3, rows wide enough for the vectorized path, channels-last,
     float64 and bfloat16. ``fused`` off forces the torch reference."""
-    from lessmem.core.ops import CompactMaxPool2dFunction
+    from lessmem.core.functions.maxpool import CompactMaxPool2dFunction
 
     if not fused:
         monkeypatch.setenv("LESSMEM_CPU_KERNELS", "0")
@@ -348,13 +348,24 @@ def test_linear_token_pooling():
 # ------------------------------------------------------------------------------------------
 
 
+class Doubled(nn.Module):
+    """Feeds ``layer`` a computed tensor: the caller's batch itself is never counted."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x * 2)
+
+
 def test_saved_bytes_of_single_layers():
     x = torch.randn(2, 8, 9, 9, requires_grad=True)
-    conv = nn.Conv2d(8, 8, 3, padding=1)
+    conv = Doubled(nn.Conv2d(8, 8, 3, padding=1))
     stock = lessmem.measure_memory(conv, x).total_bytes
     assert stock == x.numel() * 4  # stock keeps the full input (the weight is a parameter)
     for k in (2, 4):
-        lessmem.compress(conv, {"": k})
+        lessmem.compress(conv, {"layer": k})
         pooled = 2 * 8 * math.ceil(9 / k) ** 2 * 4
         assert lessmem.measure_memory(conv, x).total_bytes == pooled
     relu = nn.Sequential(nn.ReLU())
@@ -422,12 +433,13 @@ def test_block_grid_weight_grad_equals_expanded_input(size, channels_last, swapp
     expanded block means, for strides that divide k, paddings, dilations and groups, by either
     way of forming the products (``swapped``); other geometries (odd sizes, stride 3) take the
     expanding path and must agree too."""
-    from lessmem.core import ops
-    from lessmem.core.ops import conv_grads, expand_blocks, pool_blocks, pooled_conv_grads
+    from lessmem.core.functions import conv, conv_weight_grad, pooling
+    from lessmem.core.functions.conv import conv_grads, pooled_conv_grads
+    from lessmem.core.functions.pooling import expand_blocks, pool_blocks
 
-    monkeypatch.setattr(ops, "_block_path_pays", lambda *args: True)  # whatever the cost model says
-    monkeypatch.setattr(ops, "SWAPPED_CONV_MIN_BLOCKS_PER_CHANNEL", 0 if swapped else 10**9)
-    monkeypatch.setattr(ops, "PAD_COPY_MAX_ELEMENTS", 0 if swapped else 2**30)  # both padding routes too
+    monkeypatch.setattr(conv, "block_path_pays", lambda *args: True)  # whatever the cost model says
+    monkeypatch.setattr(conv_weight_grad, "SWAPPED_CONV_MIN_BLOCKS_PER_CHANNEL", 0 if swapped else 10**9)
+    monkeypatch.setattr(pooling, "PAD_COPY_MAX_ELEMENTS", 0 if swapped else 2**30)  # both padding routes too
     torch.manual_seed(0)
     for k, s, kk, pad, d, g in [(2, 1, 3, 1, 1, 1), (2, 2, 3, 1, 1, 1), (4, 1, 3, 1, 1, 2),
                                 (4, 2, 1, 0, 1, 1), (2, 1, 5, 2, 2, 1), (2, 2, 2, 0, 1, 4),
@@ -448,11 +460,11 @@ def test_block_grid_weight_grad_equals_expanded_input(size, channels_last, swapp
 
 @pytest.mark.parametrize("pad_copy", [True, False], ids=["padded-copy", "edge-sums"])
 def test_window_sums_of_zero_padded_input(pad_copy, monkeypatch) -> None:
-    """ops.sum_windows with front/back padding equals window sums of the explicitly padded
+    """sum_windows with front/back padding equals window sums of the explicitly padded
     tensor, by either route (padded copy for small tensors, edge sums for large ones)."""
-    from lessmem.core import ops
+    from lessmem.core.functions import pooling
 
-    monkeypatch.setattr(ops, "PAD_COPY_MAX_ELEMENTS", 2**30 if pad_copy else 0)
+    monkeypatch.setattr(pooling, "PAD_COPY_MAX_ELEMENTS", 2**30 if pad_copy else 0)
     torch.manual_seed(0)
     for cl, m, front, back, dim, size in itertools.product(
             (False, True), (1, 2, 3, 4), (0, 1, 2, 5), (0, 1, 3), (2, 3), (1, 2, 7)):
@@ -464,7 +476,7 @@ def test_window_sums_of_zero_padded_input(pad_copy, monkeypatch) -> None:
         if count <= 0:
             continue
         expected = sum(padded.narrow(dim, j, count) for j in range(m))
-        got = ops.sum_windows(x, m, dim, front, back)
+        got = pooling.sum_windows(x, m, dim, front, back)
         assert got.shape == expected.shape, (cl, m, front, back, dim, size)
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
@@ -473,9 +485,10 @@ def test_depthwise_weight_grad_kernel_equals_expanded_input() -> None:
     """The C++ depthwise weight gradient (block means expanded per channel in cache) equals the
     weight gradient on the expanded means, for strides 1-2, paddings, dilations, 1x1 to 5x5 taps,
     2x2 and 4x4 blocks, fp64 and fp32; pooled_conv_grads routes depthwise layers to it."""
-    from lessmem.core import ops
+    from lessmem.core.functions.conv import conv_grads, pooled_conv_grads
+    from lessmem.core.functions.conv_cost import depthwise_kernel_takes
+    from lessmem.core.functions.pooling import expand_blocks, pool_blocks
     from lessmem.core.kernels import cpu as cpu_kernels
-    from lessmem.core.ops import conv_grads, expand_blocks, pool_blocks, pooled_conv_grads
 
     if not cpu_kernels.enabled_for(torch.zeros(1)):
         pytest.skip("no C++ compiler here: depthwise layers expand the means")
@@ -497,8 +510,8 @@ def test_depthwise_weight_grad_kernel_equals_expanded_input() -> None:
             for a, b in zip(ref, got, strict=True):
                 torch.testing.assert_close(b, a, rtol=tol, atol=tol)
     assert len(calls) == 14
-    assert not ops._depthwise_kernel_takes(go.contiguous(memory_format=torch.channels_last), pooled, x.shape,
-                                           w, 6, (2, 2), (1, 1))
+    assert not depthwise_kernel_takes(go.contiguous(memory_format=torch.channels_last), pooled, x.shape,
+                                      w, 6, (2, 2), (1, 1))
 
 
 def test_channels_last_model_matches_stock():

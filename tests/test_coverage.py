@@ -10,20 +10,25 @@ import lessmem
 
 
 def independent_saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-    storages: dict[int, int] = {}
+    """Bytes of storage that saved tensors span (first to last element, found by indexing every
+    element), each byte once; parameters, buffers and the input batch excluded."""
+    held = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), x]}
+    covered: dict[int, torch.Tensor] = {}
 
     def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            storages[ptr] = t.untyped_storage().nbytes()
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in held and t.numel():
+            positions = torch.arange(storage.nbytes() // t.element_size())
+            offsets = positions.as_strided(t.shape, t.stride(), t.storage_offset())
+            first, last = int(offsets.min()) * t.element_size(), (int(offsets.max()) + 1) * t.element_size()
+            mask = covered.setdefault(storage.data_ptr(), torch.zeros(storage.nbytes(), dtype=torch.bool))
+            mask[first:last] = True
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(x)
     del out
-    return sum(storages.values())
+    return sum(int(mask.sum()) for mask in covered.values())
 
 
 def test_resnet18_coverage_pool2():

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 SCRIPT = textwrap.dedent("""
     import torch
     from lessmem.core.kernels import triton as triton_kernels
-    from lessmem.core.ops import MaskedActivationFunction, pack_bits
+    from lessmem.core.functions.masks import MaskedActivationFunction, pack_bits
     assert triton_kernels.enabled_for(torch.zeros(1))
     torch.manual_seed(0)
     for cl in (False, True):
@@ -67,8 +67,8 @@ def test_fused_cpu_kernels_match_reference(monkeypatch) -> None:
     gradients, contiguous and channels-last, ReLU and Hardtanh, in place or not."""
     import torch
 
+    from lessmem.core.functions.masks import MaskedActivationFunction, pack_bits
     from lessmem.core.kernels import cpu as cpu_kernels
-    from lessmem.core.ops import MaskedActivationFunction, pack_bits
 
     if not cpu_kernels.enabled_for(torch.zeros(1)):
         pytest.skip("no C++ compiler here: the torch reference is used")
@@ -97,7 +97,7 @@ def test_fused_cpu_block_pooling_equals_reference(monkeypatch) -> None:
     contiguous and channels-last, square and oblong blocks, same layout out."""
     import torch
 
-    from lessmem.core import ops
+    from lessmem.core.functions.pooling import pool_blocks
     from lessmem.core.kernels import cpu as cpu_kernels
 
     if not cpu_kernels.enabled_for(torch.zeros(1)):
@@ -112,7 +112,7 @@ def test_fused_cpu_block_pooling_equals_reference(monkeypatch) -> None:
                 fused = cpu_kernels.pool_blocks(x, kernel)
                 with monkeypatch.context() as m:
                     m.setenv("LESSMEM_CPU_KERNELS", "0")
-                    ref = ops.pool_blocks(x, kernel)
+                    ref = pool_blocks(x, kernel)
                 assert fused.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
                 if dtype == torch.bfloat16:  # the kernel sums in float, the reference in bf16
                     torch.testing.assert_close(fused, ref, rtol=0.02, atol=0.02)

@@ -8,17 +8,17 @@ from typing import Any
 
 from torch import nn
 
-from lessmem.core import custom_ops  # noqa: F401  (registers torch.ops.lessmem.*)
-from lessmem.core.mapping import resolve_mapping
-from lessmem.core.modules import (
+from lessmem.core.functions import custom_ops  # noqa: F401  (registers torch.ops.lessmem.*)
+from lessmem.core.layers.registry import (
     COMPRESSIBLE,
     EXACT_COMPANIONS,
     STOCK_OF,
     STORED_ACTIVATIONS,
-    LayerSpec,
-    StoredBatchNorm2d,
+    STORED_NORMS,
 )
+from lessmem.core.mapping import resolve_mapping
 from lessmem.core.patterns import first_match, unmatched
+from lessmem.core.spec import LayerSpec
 from lessmem.core.storage import check_storage
 
 _ORIGINAL = "_lessmem_original_class"
@@ -69,7 +69,7 @@ def compress(
             if type(module) in EXACT_COMPANIONS:
                 _swap(module, EXACT_COMPANIONS[type(module)])
     for option, rule, stored_class in (
-        ("norm_storage", norm_storage, {nn.BatchNorm2d: StoredBatchNorm2d}),
+        ("norm_storage", norm_storage, STORED_NORMS),
         ("act_storage", act_storage, STORED_ACTIVATIONS),
     ):
         for name, storage in _storage_choices(model, rule, tuple(stored_class), option).items():

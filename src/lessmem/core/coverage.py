@@ -2,7 +2,9 @@
 
 Two sources are joined by storage: a saved-tensor hook (which module was running, the exact bytes)
 and a walk over the autograd graph (which backward op holds the tensor). The op tells *why* a
-tensor is kept; the module tells *where*, and whether a compression map can reach it.
+tensor is kept; the module tells *where*, and whether a compression map can reach it. Bytes are
+those ``measure_memory`` counts: the byte ranges saved views span, each byte of a storage once,
+the model's parameters, buffers and inputs excluded.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from lessmem.core.compress import uncompress
-from lessmem.core.memory import _output_tensor, _storage_key, saved_tensors_of
+from lessmem.core.memory import output_tensor, saved_tensors_of, storage_key
 
 # backward-node name -> (compressed?, how, why). Names ending in "Backward" are ours.
 _OURS = {
@@ -150,7 +152,7 @@ def _saved_by_op(output: Tensor) -> dict[tuple[str, int], str]:
                         tensors.append(value)
         for t in tensors:
             if t is not None and t.layout == torch.strided:
-                owners.setdefault(_storage_key(t), name)
+                owners.setdefault(storage_key(t), name)
         stack.extend(fn for fn, _ in node.next_functions)
     return owners
 
@@ -172,8 +174,8 @@ def coverage(model: nn.Module, inputs: Tensor | tuple[Tensor, ...], *, compare_s
     """
 
     args = inputs if isinstance(inputs, tuple) else (inputs,)
-    records, out = saved_tensors_of(model, lambda: model(*args))
-    owners = _saved_by_op(_output_tensor(out))
+    records, out = saved_tensors_of(model, args)
+    owners = _saved_by_op(output_tensor(out))
     modules = dict(model.named_modules())
     rows = []
     for rec in records:
@@ -193,6 +195,6 @@ def coverage(model: nn.Module, inputs: Tensor | tuple[Tensor, ...], *, compare_s
     stock = None
     if compare_stock:
         stock_model = uncompress(copy.deepcopy(model))
-        stock_records, _ = saved_tensors_of(stock_model, lambda: stock_model(*args))
+        stock_records, _ = saved_tensors_of(stock_model, args)
         stock = sum(r.nbytes for r in stock_records)
     return CoverageReport(rows, stock)

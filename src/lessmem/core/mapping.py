@@ -7,9 +7,9 @@ from typing import Any
 
 from torch import nn
 
-from lessmem.core.modules import COMPRESSIBLE, LayerSpec
+from lessmem.core.layers.registry import COMPRESSIBLE
 from lessmem.core.patterns import first_match, unmatched
-from lessmem.core.storage import check_storage
+from lessmem.core.spec import LayerSpec, parse_spec
 
 
 def compressible_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -20,40 +20,6 @@ def compressible_layers(model: nn.Module) -> dict[str, nn.Module]:
         for name, m in model.named_modules()
         if type(m) in kinds
     }
-
-
-def parse_spec(pattern: str, value: Any) -> LayerSpec:
-    """``2`` | ``[2, 4]`` | ``{"kernel": 2, "storage": "bf16"}`` -> LayerSpec, or a clear error."""
-    storage = "native"
-    if isinstance(value, Mapping):
-        unknown = set(value) - {"kernel", "storage"}
-        if unknown or "kernel" not in value:
-            raise ValueError(
-                f"compression pattern {pattern!r}: a mapping value needs 'kernel' (and optionally "
-                f"'storage'), got keys {sorted(value)}"
-            )
-        storage = check_storage(str(value.get("storage", "native")))
-        value = value["kernel"]
-    if isinstance(value, (list, tuple)) or _is_sequence_config(value):
-        items = list(value)
-        if len(items) != 2:
-            raise ValueError(f"compression pattern {pattern!r}: kernel {items} must be k or [kh, kw]")
-    else:
-        items = [value, value]
-    for k in items:
-        if isinstance(k, bool) or not isinstance(k, int):
-            raise ValueError(
-                f"compression pattern {pattern!r}: kernel size {k!r} is not an integer "
-                "(use e.g. 1 for exact, 2 or 4 for pooling)"
-            )
-        if k < 1:
-            raise ValueError(f"compression pattern {pattern!r}: kernel size {k} must be >= 1")
-    return LayerSpec((items[0], items[1]), storage)
-
-
-def _is_sequence_config(value: Any) -> bool:
-    # omegaconf.ListConfig without importing omegaconf: the core stays torch-only.
-    return type(value).__name__ == "ListConfig"
 
 
 def resolve_mapping(model: nn.Module, mapping: Mapping[str, Any] | None) -> dict[str, LayerSpec]:

@@ -1,4 +1,13 @@
-"""Count what autograd keeps for backward: unique storages of every saved tensor."""
+"""Count what autograd keeps alive for backward beyond what the caller holds anyway.
+
+Counted: every tensor that a saved-tensor hook sees during the forward pass, by the bytes it
+spans in its storage (first to last element, strides and all); several saved views of one
+storage count the union of their byte ranges, once. Not counted: parameters and buffers (the
+model holds them), and the model's inputs, i.e. the batch tensors passed in and any view of their
+storage: the caller holds them anyway (a training loop keeps its batch until the step ends), so
+keeping them for backward costs nothing more. So the figure does not depend on how the batch was
+made, a fresh tensor or a slice of a larger one.
+"""
 
 from __future__ import annotations
 
@@ -14,42 +23,51 @@ from torch import Tensor, nn
 @dataclass
 class SavedTensor:
     key: tuple[str, int]  # (device, storage address): one record per storage
-    layer: str
-    shape: tuple[int, ...]
+    layer: str  # innermost module running when the storage was first saved
+    shape: tuple[int, ...]  # of the first view saved
     dtype: torch.dtype
-    nbytes: int
+    nbytes: int  # union of the byte ranges its saved views span
 
 
 @dataclass
 class MemoryReport:
-    """Bytes held for backward after one forward pass (parameters and buffers excluded)."""
+    """Bytes held for backward after one forward pass (parameters, buffers and the model's inputs
+    excluded)."""
 
     total_bytes: int
     per_layer: dict[str, int]
     tensors: list[SavedTensor] = field(default_factory=list)
     cuda_peak_bytes: int | None = None  # max_memory_allocated over forward + backward (+ step)
 
-    @property
-    def total_mib(self) -> float:
-        return self.total_bytes / 2**20
-
     def ratio_to(self, baseline: MemoryReport) -> float:
         return self.total_bytes / baseline.total_bytes if baseline.total_bytes else float("nan")
 
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "saved_bytes": self.total_bytes,
-            "saved_mib": self.total_mib,
-            "cuda_peak_bytes": self.cuda_peak_bytes,
-            "per_layer": dict(self.per_layer),
-        }
 
-
-def _storage_key(t: Tensor) -> tuple[str, int]:
+def storage_key(t: Tensor) -> tuple[str, int]:
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
-def _output_tensor(out: object) -> Tensor:
+def byte_range(t: Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte of ``t``'s elements in its storage (empty for no elements)."""
+    start = t.storage_offset() * t.element_size()
+    if t.numel() == 0:
+        return start, start
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return start, start + (last + 1) * t.element_size()
+
+
+def union_bytes(ranges: list[tuple[int, int]]) -> int:
+    """Bytes covered by the union of [start, end) ranges."""
+    total, reached = 0, 0
+    for start, end in sorted(ranges):
+        start = max(start, reached)  # the part before ``reached`` is counted already
+        if end > start:
+            total += end - start
+            reached = end
+    return total
+
+
+def output_tensor(out: object) -> Tensor:
     if isinstance(out, Tensor):
         return out
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
@@ -59,10 +77,12 @@ def _output_tensor(out: object) -> Tensor:
     raise TypeError(f"cannot find a tensor in the model output of type {type(out).__name__}")
 
 
-def saved_tensors_of(model: nn.Module, run: Callable[[], object]) -> tuple[list[SavedTensor], object]:
-    """Run ``run()`` (a forward pass) and record each unique storage autograd saves, with the
-    innermost module that was executing when it was saved. Returns (records, run's output)."""
-    excluded = {_storage_key(t) for t in itertools.chain(model.parameters(), model.buffers())}
+def saved_tensors_of(model: nn.Module, inputs: tuple[Tensor, ...]) -> tuple[list[SavedTensor], object]:
+    """Run ``model(*inputs)`` and record each storage autograd saves (by the byte ranges its saved
+    views span), with the innermost module that was executing when it was first saved. The
+    model's parameters, buffers and inputs are not recorded. Returns (records, the output)."""
+    held = itertools.chain(model.parameters(), model.buffers(), (t for t in inputs if isinstance(t, Tensor)))
+    excluded = {storage_key(t) for t in held}
     stack: list[str] = [""]
     handles = []
 
@@ -76,20 +96,23 @@ def saved_tensors_of(model: nn.Module, run: Callable[[], object]) -> tuple[list[
         handles.append(module.register_forward_pre_hook(enter(name)))
         handles.append(module.register_forward_hook(leave))
     records: dict[tuple[str, int], SavedTensor] = {}
+    ranges: dict[tuple[str, int], list[tuple[int, int]]] = defaultdict(list)
     keep_alive: list[Tensor] = []  # ensures no storage address is reused while we count
 
     def pack(t: Tensor) -> Tensor:
         if t.layout == torch.strided and t.device.type != "meta":
-            key = _storage_key(t)
-            if key not in excluded and key not in records and key[1] != 0:
-                nbytes = t.untyped_storage().nbytes()
-                records[key] = SavedTensor(key, stack[-1], tuple(t.shape), t.dtype, nbytes)
-                keep_alive.append(t)
+            key = storage_key(t)
+            if key not in excluded and key[1] != 0:
+                ranges[key].append(byte_range(t))
+                if key not in records:
+                    records[key] = SavedTensor(key, stack[-1], tuple(t.shape), t.dtype, 0)
+                    keep_alive.append(t)
+                records[key].nbytes = union_bytes(ranges[key])
         return t
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = run()
+            out = model(*inputs)
     finally:
         for h in handles:
             h.remove()
@@ -105,12 +128,14 @@ def measure_memory(
 ) -> MemoryReport:
     """Bytes held for backward after ``model(inputs)``, per layer and in total.
 
-    Each storage is counted once, at its full size, even when several layers save views of it.
+    What is counted (see the module docstring): the byte ranges of every saved tensor, each byte
+    of a storage once even when several layers save views of it, attributed to the layer that
+    saved the storage first; parameters, buffers and ``inputs`` (and views of them) excluded.
     On CUDA also ``torch.cuda.max_memory_allocated`` over forward + backward (``train_step``),
     measured in a second pass so the counting hooks do not distort it.
     """
     args = inputs if isinstance(inputs, tuple) else (inputs,)
-    records, out = saved_tensors_of(model, lambda: model(*args))
+    records, out = saved_tensors_of(model, args)
     per_layer: dict[str, int] = defaultdict(int)
     for r in records:
         per_layer[r.layer] += r.nbytes
@@ -132,7 +157,7 @@ def cuda_peak_of_step(
         torch.cuda.synchronize()
         if not warm:
             torch.cuda.reset_peak_memory_stats()
-        loss_fn(_output_tensor(model(*args))).backward()
+        loss_fn(output_tensor(model(*args))).backward()
         torch.cuda.synchronize()
     model.zero_grad(set_to_none=True)
     return torch.cuda.max_memory_allocated()

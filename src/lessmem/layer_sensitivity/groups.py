@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lessmem.core.patterns import first_match
+from lessmem.core import first_match
 
 
 def group_layers(layers: Sequence[str], groups: Sequence[str] | None) -> dict[str, list[str]]:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from lessmem.core.ops import expand_blocks, pool_blocks
+from lessmem.core import expand_blocks, pool_blocks
 from lessmem.layer_sensitivity.geometry import ConvLayer
 
 
@@ -51,12 +51,17 @@ class GradientRecorder:
         self.elem: dict[str, int] = {}
         self.groups: dict[str, tuple[int, tuple[int, ...], str]] = {}
         self._inputs: dict[str, tuple[Tensor, int]] = {}
+        # Layers reading a tensor no op produced (the model's input batch): the caller holds it
+        # anyway, so stock keeps 0 extra bytes for it and a pooled copy only adds (core.memory).
+        self.caller_held: set[str] = set()
 
     def forward_hook(self, layer: ConvLayer) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> None:
             x = args[0]
             if not torch.is_grad_enabled() or not out.requires_grad:
                 return
+            if x.grad_fn is None and not x.requires_grad and layer.pre_pad is None:
+                self.caller_held.add(layer.name)
             x = x.detach()
             n, c, h, w = x.shape
             self.shapes[layer.name] = (n, c, h + layer.extra[0], w + layer.extra[1])
@@ -87,5 +92,8 @@ class GradientRecorder:
             self.stats.setdefault(f"{layer.name}/{k}", []).append(_fidelity(exact, approx))
 
     def pooled_bytes(self, name: str, k: int) -> int:
+        """Bytes the layer keeps for its weight gradient with kernel k (k=1: the stock input)."""
+        if k == 1 and name in self.caller_held:
+            return 0
         n, c, h, w = self.shapes[name]
         return n * c * math.ceil(h / k) * math.ceil(w / k) * self.elem[name]

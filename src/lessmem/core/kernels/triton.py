@@ -1,16 +1,16 @@
 """Fused Triton kernels for the 1-bit activation masks (the GPU path).
 
-The torch reference (``ops.pack_bits`` / ``ops.unpack_bits`` + a product) makes four to five
-passes over memory per activation; these kernels make one each way:
+The torch reference (``functions.masks.pack_bits`` / ``unpack_bits`` + a product) makes four to
+five passes over memory per activation; these kernels make one each way:
 
 - ``clamp_and_pack(x, lo, hi)``: y = clamp(x, lo, hi) and the packed pass mask, one read of x.
 - ``masked_grad(grad, packed, channels_last)``: grad where the bit is set, else 0, one read of grad.
 
-Bit layout is that of ``ops.pack_bits`` (element i of each group of 8, in memory order, in bit
-i), so packed masks from either path are interchangeable. Used for CUDA tensors when Triton is
-importable (``LESSMEM_TRITON=0`` turns it off); ``LESSMEM_TRITON=1`` also routes CPU tensors
-here, which only works under ``TRITON_INTERPRET=1`` (how the tests check the kernels without a
-GPU).
+Bit layout is that of ``functions.masks.pack_bits`` (element i of each group of 8, in memory
+order, in bit i), so packed masks from either path are interchangeable. Used for CUDA tensors
+when Triton is importable (``LESSMEM_TRITON=0`` turns it off); ``LESSMEM_TRITON=1`` also routes
+CPU tensors here, which only works under ``TRITON_INTERPRET=1`` (how the tests check the kernels
+without a GPU).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Transformer layers with compressed saved tensors: attention, dropout, GELU / SiLU.
+"""Self-attention whose in-projection saves its input pooled over k tokens.
 
 What a pre-norm transformer block (torchvision ``EncoderBlock``) keeps for backward, per token,
 in units of the width E (MLP width 4E), and what ``compress`` does to it:
@@ -30,13 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lessmem.core.modules import LayerSpec, _autocast_cast, _needs_saving
-from lessmem.core.ops import PooledLinearFunction, pack_bits, unpack_bits
-from lessmem.core.storage import Storage, pack_tensor, unpack_tensor
-
-# ---------------------------------------------------------------------------------------------
-# Multi-head attention
-# ---------------------------------------------------------------------------------------------
+from lessmem.core.functions.linear import PooledLinearFunction
+from lessmem.core.layers.dispatch import autocast_cast, needs_saving
+from lessmem.core.spec import LayerSpec
 
 
 class CompressedMultiheadAttention(nn.MultiheadAttention):
@@ -78,7 +74,7 @@ class CompressedMultiheadAttention(nn.MultiheadAttention):
             and self.bias_k is None
             and self.bias_v is None
             and not self.add_zero_attn
-            and _needs_saving(query, self)
+            and needs_saving(query, self)
         )
         if not supported:
             return super().forward(
@@ -93,7 +89,7 @@ class CompressedMultiheadAttention(nn.MultiheadAttention):
             x = x.transpose(0, 1)  # (B, T, E) view: tokens must be dim -2 for token pooling
         b, t, e = x.shape
         heads = self.num_heads
-        x, w, bias = _autocast_cast(x, self.in_proj_weight, self.in_proj_bias)
+        x, w, bias = autocast_cast(x, self.in_proj_weight, self.in_proj_bias)
         with torch.autocast(x.device.type, enabled=False):
             qkv = PooledLinearFunction.apply(x, w, bias, k, storage)
         # q, k, v as strided views of the one (B, T, 3E) projection: SDPA saves that storage
@@ -104,110 +100,9 @@ class CompressedMultiheadAttention(nn.MultiheadAttention):
         out = F.scaled_dot_product_attention(q, k_, v, dropout_p=dropout)
         out = out.transpose(1, 2).reshape(b, t, e)  # a view when SDPA's output is (B, T, H, d)
         if self.pool_out_proj:
-            out, w, bias = _autocast_cast(out, self.out_proj.weight, self.out_proj.bias)
+            out, w, bias = autocast_cast(out, self.out_proj.weight, self.out_proj.bias)
             with torch.autocast(out.device.type, enabled=False):
                 out = PooledLinearFunction.apply(out, w, bias, k, storage)
         else:
             out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
         return out if self.batch_first else out.transpose(0, 1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Dropout with a 1-bit mask (exact)
-# ---------------------------------------------------------------------------------------------
-
-
-class PackedDropoutFunction(torch.autograd.Function):
-    """Dropout that keeps its keep-mask as bits, not the fp32 noise tensor stock CPU autograd
-    keeps. The random draws and arithmetic repeat stock's, so outputs and gradients are
-    bit-identical to ``nn.Dropout`` under the same RNG state."""
-
-    @staticmethod
-    def forward(ctx, x, p):
-        if x.device.type == "cpu":
-            # aten::_dropout_impl on CPU: noise = bernoulli(1 - p) / (1 - p); out = x * noise.
-            noise = torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)
-            out = x * noise
-            keep = noise != 0
-        else:
-            # Accelerators use the fused kernel, with the same (output, bool mask) contract.
-            out, keep = torch.ops.aten.native_dropout(x, p, True)
-        ctx.save_for_backward(pack_bits(keep))
-        ctx.shape, ctx.p = keep.shape, p
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        (packed,) = ctx.saved_tensors
-        keep = unpack_bits(packed, ctx.shape)
-        if grad.device.type == "cpu":
-            # Rebuild the noise values exactly as forward made them (same ops, same rounding).
-            scale = grad.new_ones(()).div_(1 - ctx.p)
-            return grad * torch.where(keep, scale, grad.new_zeros(())), None
-        return torch.ops.aten.native_dropout_backward(grad, keep, 1.0 / (1 - ctx.p)), None
-
-
-class PackedDropout(nn.Dropout):
-    """nn.Dropout that keeps 1 bit per element for backward (exact)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        if not (self.training and 0.0 < self.p < 1.0 and not self.inplace and _needs_saving(x, self)):
-            return super().forward(x)
-        return PackedDropoutFunction.apply(x, self.p)
-
-
-# ---------------------------------------------------------------------------------------------
-# GELU / SiLU with a lower-precision copy of the input (approximate, opt-in)
-# ---------------------------------------------------------------------------------------------
-
-
-class StoredActivationFunction(torch.autograd.Function):
-    """GELU or SiLU that keeps its input as bf16 or 8-bit per-feature codes.
-
-    Approximate: the derivative is evaluated at the dequantized input, so the input gradient is
-    no longer exact. Opt-in through ``compress(..., act_storage=...)``.
-    """
-
-    @staticmethod
-    def forward(ctx, x, kind, approximate, storage):
-        out = F.gelu(x, approximate=approximate) if kind == "gelu" else F.silu(x)
-        ctx.save_for_backward(*pack_tensor(x.detach(), storage))
-        ctx.kind, ctx.approximate, ctx.storage, ctx.dtype = kind, approximate, storage, x.dtype
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        x = unpack_tensor(ctx.saved_tensors, ctx.storage, ctx.dtype)
-        if ctx.kind == "gelu":
-            gx = torch.ops.aten.gelu_backward(grad, x, approximate=ctx.approximate)
-        else:
-            gx = torch.ops.aten.silu_backward(grad, x)
-        return gx, None, None, None
-
-
-class StoredGELU(nn.GELU):
-    """GELU keeping its input in ``lessmem_storage`` (bf16 / int8) — approximate."""
-
-    lessmem_storage: Storage
-
-    def forward(self, x: Tensor) -> Tensor:
-        if not _needs_saving(x, self):
-            return super().forward(x)
-        return StoredActivationFunction.apply(x, "gelu", self.approximate, self.lessmem_storage)
-
-
-class StoredSiLU(nn.SiLU):
-    """SiLU keeping its input in ``lessmem_storage`` (bf16 / int8) — approximate."""
-
-    lessmem_storage: Storage
-
-    def forward(self, x: Tensor) -> Tensor:
-        if not _needs_saving(x, self) or self.inplace:
-            return super().forward(x)
-        return StoredActivationFunction.apply(x, "silu", "none", self.lessmem_storage)
-
-
-STORED_ACTIVATIONS: dict[type[nn.Module], type[nn.Module]] = {
-    nn.GELU: StoredGELU,
-    nn.SiLU: StoredSiLU,
-}

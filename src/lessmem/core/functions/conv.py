@@ -1,0 +1,84 @@
+"""conv2d that saves its input only as k×k block means, and the gradients it takes from them."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lessmem.core.functions.conv_cost import (
+    block_grid_fits,
+    block_path_pays,
+    depthwise_kernel_takes,
+)
+from lessmem.core.functions.conv_weight_grad import block_weight_grad
+from lessmem.core.functions.pooled_input import save_pooled_input, saved_pooled_input
+from lessmem.core.functions.pooling import expand_blocks, pooled_once
+from lessmem.core.kernels import cpu as cpu_kernels
+from lessmem.core.layout import format_of
+
+
+class PooledConv2dFunction(torch.autograd.Function):
+    """conv2d whose input is saved only as k×k block means.
+
+    Backward: the input gradient needs only the weight, so it is exact; the weight gradient is
+    computed from the block means repeated over each block (the paper's approximation).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, kernel, storage):
+        out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+        packed = pooled_once(x, kernel, storage) if ctx.needs_input_grad[1] else ()
+        save_pooled_input(ctx, x, weight, bias, packed, storage)
+        ctx.conv, ctx.kernel = (stride, padding, dilation, groups), kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight, pooled, shape, needs = saved_pooled_input(ctx)
+        gx, gw, gb = pooled_conv_grads(grad_out, pooled, shape, weight, ctx.has_bias, *ctx.conv,
+                                       ctx.kernel, needs)
+        return gx, gw, gb, None, None, None, None, None, None
+
+
+def pooled_conv_grads(grad_out, pooled, shape, weight, has_bias, stride, padding, dilation, groups,
+                      kernel, needs):
+    """(input, weight, bias) gradients of conv2d whose input (of ``shape``) is known only by its
+    k×k block means ``pooled`` (None when no weight gradient is wanted).
+
+    When the blocks tile the input and the conv stride divides k, the weight gradient is taken
+    on the pooled grid (``block_weight_grad``): k²/stride² fewer multiply-adds than on the
+    expanded input and no full-size copy; otherwise the means are expanded first."""
+    gw = None
+    if needs[1] and depthwise_kernel_takes(grad_out, pooled, shape, weight, groups, kernel, stride):
+        gw = cpu_kernels.depthwise_weight_grad(grad_out, pooled, weight.shape[2:], stride, padding, dilation,
+                                               kernel)
+    elif needs[1] and block_grid_fits(shape, kernel, stride) and block_path_pays(grad_out, weight, groups,
+                                                                                kernel, stride):
+        gw = block_weight_grad(grad_out, pooled, shape, weight, stride, padding, dilation, groups, kernel)
+    if gw is None:
+        # Small inputs (per-op overhead dominates), layers where the passes over the output gradient
+        # would cost more than they save, and geometries the pooled grid does not take: expand the
+        # means and make one convolution_backward call for all three gradients.
+        x_hat = expand_blocks(pooled, kernel, shape[2:]) if needs[1] else _input_like(grad_out, shape)
+        return conv_grads(grad_out, x_hat, weight, has_bias, stride, padding, dilation, groups, needs)
+    gx = None
+    if needs[0]:
+        gx = conv_grads(grad_out, _input_like(grad_out, shape), weight, False, stride, padding,
+                        dilation, groups, (True, False, False))[0]
+    return gx, gw, grad_out.sum((0, 2, 3)) if needs[2] else None
+
+
+def _input_like(grad_out: Tensor, shape) -> Tensor:
+    """An uninitialised stand-in for the conv input: the input gradient reads only the weight,
+    so any tensor of the input's shape (and grad_out's layout) will do."""
+    return torch.empty(shape, dtype=grad_out.dtype, device=grad_out.device, memory_format=format_of(grad_out))
+
+
+def conv_grads(grad_out, x_hat, weight, has_bias, stride, padding, dilation, groups, needs):
+    """(input, weight, bias) gradients of conv2d, the weight gradient taken on ``x_hat``. The
+    input gradient reads only the weight, so it is exact whatever ``x_hat`` is."""
+    return torch.ops.aten.convolution_backward(
+        grad_out, x_hat, weight, [weight.shape[0]] if has_bias else None,
+        stride, padding, dilation, False, [0, 0], groups, list(needs),
+    )

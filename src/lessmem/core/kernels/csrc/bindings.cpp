@@ -1,0 +1,13 @@
+// The Python module: one binding per kernel (lessmem.core.kernels.cpu wraps them).
+#include <torch/extension.h>
+
+#include "lessmem_cpu.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("clamp_pack", &clamp_pack, "clamp(x, lo, hi) into y and the packed pass mask");
+  m.def("masked_grad", &masked_grad, "grad where the packed bit is set, else 0, into out");
+  m.def("pool_blocks", &pool_blocks, "kh x kw block means");
+  m.def("depthwise_weight_grad", &depthwise_weight_grad, "depthwise conv weight gradient from block means");
+  m.def("max_pool_compact", &max_pool_compact, "max_pool2d and the uint8 argmax position in each window");
+  m.def("max_pool_compact_backward", &max_pool_compact_backward, "gradient of max_pool_compact");
+}

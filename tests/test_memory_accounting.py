@@ -1,0 +1,80 @@
+"""What measure_memory and coverage count: what the graph keeps alive beyond what the caller
+holds anyway. The input batch is the caller's; a saved view counts by the bytes it spans."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import lessmem
+from lessmem.models import build_model
+
+
+@pytest.mark.parametrize("mapping", [None, {"*": 2}], ids=["stock", "pool2"])
+def test_a_sliced_batch_counts_like_a_fresh_one(mapping) -> None:
+    """resnet20, batch 32: ``big[:32]`` of a 64-batch (a view of a larger storage) and a fresh
+    32-batch give the same totals and per-layer bytes, in measure_memory and coverage."""
+    torch.manual_seed(0)
+    model = build_model("resnet20", 10)
+    if mapping:
+        lessmem.compress(model, mapping)
+    big = torch.randn(64, 3, 32, 32)
+    sliced, fresh = big[:32], big[:32].clone()
+    a, b = lessmem.measure_memory(model, sliced), lessmem.measure_memory(model, fresh)
+    assert a.total_bytes == b.total_bytes > 0
+    assert a.per_layer == b.per_layer
+    for batch in (sliced, fresh):
+        report = lessmem.coverage(model, batch)
+        assert report.total_bytes == a.total_bytes
+        stock = lessmem.measure_memory(lessmem.uncompress(copy.deepcopy(model)), batch).total_bytes
+        assert report.stock_bytes == stock
+
+
+def test_the_input_batch_is_not_counted() -> None:
+    """A conv first saves its input, the caller's batch: nothing the graph adds. Views of the
+    batch's storage are the caller's too."""
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    conv = nn.Conv2d(3, 4, 3)
+    assert lessmem.measure_memory(conv, x).total_bytes == 0
+    assert lessmem.measure_memory(conv, torch.randn(4, 3, 8, 8)[1:3]).total_bytes == 0
+
+    class SliceFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(2, 4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv(x[:, :2])  # a view of the batch: still the caller's storage
+
+    assert lessmem.measure_memory(SliceFirst(), x).total_bytes == 0
+    assert lessmem.coverage(SliceFirst(), x).total_bytes == 0
+
+
+class SavesViews(nn.Module):
+    """Multiplies views of one computed (4, 8) float tensor: the product saves both views."""
+
+    def __init__(self, first: tuple[slice, ...], second: tuple[slice, ...]) -> None:
+        super().__init__()
+        self.first, self.second = first, second
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+        return h[self.first] * h[self.second]
+
+
+@pytest.mark.parametrize("first, second, spanned", [
+    ((slice(0, 2),), (slice(2, 4),), 4 * 8 * 4),  # two halves: the whole storage
+    ((slice(0, 1),), (slice(0, 1),), 1 * 8 * 4),  # one row, saved twice: counted once
+    ((slice(0, 2),), (slice(1, 3),), 3 * 8 * 4),  # overlapping rows: their union
+    ((slice(None), slice(0, 1)), (slice(None), slice(0, 1)), (3 * 8 + 1) * 4),  # a column spans the gaps
+])
+def test_a_view_counts_the_bytes_it_spans(first, second, spanned) -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    model = SavesViews(first, second)
+    report = lessmem.measure_memory(model, x)
+    assert report.total_bytes == spanned
+    assert [t.nbytes for t in report.tensors] == [spanned]
+    assert lessmem.coverage(model, x, compare_stock=False).total_bytes == spanned
