@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -142,56 +141,58 @@ def test_search_worker_killed_mid_trial_then_rerun(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- bad inputs
 
 
-def test_bad_inputs_give_one_error_line(tmp_path: Path) -> None:
-    bad_yaml = tmp_path / "bad.yaml"
-    bad_yaml.write_text("map:\n  conv1: [2\n  '*': 2\n")
-    zero_map = tmp_path / "zero.yaml"
-    zero_map.write_text("map:\n  conv1: 0\n")
-    corrupt = tmp_path / "corrupt"
-    corrupt.mkdir()
-    (corrupt / "checkpoint.pt").write_bytes(b"PK\x03\x04 not really a checkpoint")
-    cases = {
-        "unknown model config": (["model=nonexistent"], "Could not find 'model/nonexistent'"),
-        "unknown model name": (["model.name=nope"], "unknown model 'nope'; available:"),
-        "unknown compression": (["compression=nope"], "Could not find 'compression/nope'"),
-        "missing map file": ([f"compression.map_file={tmp_path / 'none.yaml'}"], "does not exist"),
-        "malformed map file": ([f"compression.map_file={bad_yaml}"], "is not valid YAML"),
-        "kernel 0 in map file": ([f"compression.map_file={zero_map}"], "kernel size 0 must be >= 1"),
-        "kernel 0": (["+compression.map.conv1=0"], "kernel size 0 must be >= 1"),
-        "kernel -1": (["+compression.map.conv1=-1"], "kernel size -1 must be >= 1"),
-        "kernel 2.5": (["+compression.map.conv1=2.5"], "kernel size 2.5 is not an integer"),
-        "kernel x": (["+compression.map.conv1=x"], "kernel size 'x' is not an integer"),
-        "corrupt checkpoint": ([f"hydra.run.dir={corrupt}", "resume=true"], "is unreadable"),
-        # The default job (CIFAR-10) without its data: what to do, in one line.
-        "no data": (["--", f"hydra.run.dir={tmp_path / 'o'}", "logger=disabled"], "dataset.download=true"),
-    }
-
-    def attempt(args: list[str]) -> subprocess.CompletedProcess:
-        env = _env()
-        if args[0] == "--":  # not the tiny config: the defaults, with no data where they point
-            args, env["LESSMEM_DATA"] = args[1:], str(tmp_path / "nodata")
-        else:
-            run_dir = [] if any(a.startswith("hydra.run.dir=") for a in args) else [f"hydra.run.dir={tmp_path / 'o'}"]
-            args = [*TINY, *run_dir, *args]
-        return subprocess.run([*_train_cmd(), *args], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=300)
-
-    with ThreadPoolExecutor(3) as pool:
-        procs = dict(zip(cases, pool.map(attempt, [args for args, _ in cases.values()]), strict=True))
-    problems = []
-    for name, proc in procs.items():
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        expected = cases[name][1]
-        if not (proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("lessmem-train: error: ")
-                and expected in lines[0]):
-            problems.append(f"{name}: rc={proc.returncode}, stderr={proc.stderr[-1500:]!r}")
-    assert not problems, "\n".join(problems)
+BAD_INPUTS = {  # case: (overrides, what the error line must say)
+    "unknown model config": (["model=nonexistent"], "Could not find 'model/nonexistent'"),
+    "unknown model name": (["model.name=nope"], "unknown model 'nope'; available:"),
+    "unknown compression": (["compression=nope"], "Could not find 'compression/nope'"),
+    "missing map file": (["compression.map_file={tmp}/none.yaml"], "does not exist"),
+    "malformed map file": (["compression.map_file={tmp}/bad.yaml"], "is not valid YAML"),
+    "kernel 0 in map file": (["compression.map_file={tmp}/zero.yaml"], "kernel size 0 must be >= 1"),
+    "kernel 0": (["+compression.map.conv1=0"], "kernel size 0 must be >= 1"),
+    "kernel -1": (["+compression.map.conv1=-1"], "kernel size -1 must be >= 1"),
+    "kernel 2.5": (["+compression.map.conv1=2.5"], "kernel size 2.5 is not an integer"),
+    "kernel x": (["+compression.map.conv1=x"], "kernel size 'x' is not an integer"),
+    "corrupt checkpoint": (["hydra.run.dir={tmp}/corrupt", "resume=true"], "is unreadable"),
+}
 
 
-@pytest.mark.parametrize("argv", [["lessmem-sensitivity", "model=nope"], ["lessmem-coverage", "compression=nope"]])
-def test_other_entry_points_give_one_line_errors(argv: list[str]) -> None:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HYDRA_FULL_ERROR": ""})
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith(f"{argv[0]}: error:") and "nope" in lines[0]
+@pytest.fixture
+def bad_files(tmp_path: Path) -> Path:
+    (tmp_path / "bad.yaml").write_text("map:\n  conv1: [2\n  '*': 2\n")
+    (tmp_path / "zero.yaml").write_text("map:\n  conv1: 0\n")
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "checkpoint.pt").write_bytes(b"PK\x03\x04 not really a checkpoint")
+    return tmp_path
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_inputs_give_one_error_line(case: str, bad_files: Path, tiny, run_cli) -> None:
+    from lessmem.cli.train import train_main
+
+    overrides, expected = BAD_INPUTS[case]
+    args = [a.format(tmp=bad_files) for a in overrides]
+    if not any(a.startswith("hydra.run.dir=") for a in args):
+        args.append(f"hydra.run.dir={bad_files / 'o'}")
+    result = run_cli(train_main, "lessmem-train", *tiny, *args)
+    assert result.is_one_error("lessmem-train", expected), result
+
+
+def test_missing_data_gives_one_error_line_from_the_console_entry(tmp_path: Path) -> None:
+    """The default job (CIFAR-10) without its data, through the installed command: one line that
+    says what to do."""
+    env = {**_env(), "LESSMEM_DATA": str(tmp_path / "nodata")}
+    proc = subprocess.run([*_train_cmd(), f"hydra.run.dir={tmp_path / 'o'}", "logger=disabled"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-1500:]
+    assert lines[0].startswith("lessmem-train: error: ") and "dataset.download=true" in lines[0]
+
+
+@pytest.mark.parametrize("prog, args", [("lessmem-sensitivity", ["model=nope"]),
+                                        ("lessmem-coverage", ["compression=nope"])])
+def test_other_entry_points_give_one_line_errors(prog: str, args: list[str], run_cli) -> None:
+    from lessmem.cli import coverage, sensitivity
+
+    main = {"lessmem-sensitivity": sensitivity.main, "lessmem-coverage": coverage.main}[prog]
+    result = run_cli(main, prog, *args)
+    assert result.is_one_error(prog, "nope"), result

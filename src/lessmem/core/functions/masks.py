@@ -24,7 +24,10 @@ def pack_bits(mask: Tensor) -> Tensor:
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    words = flat.view(torch.uint8).view(torch.int64)
+    # Eager: a free reinterpretation. Compiled: a cast, which fuses into the packing kernel (the
+    # inductor of torch 2.9 cannot lower a bool -> uint8 view).
+    flags = flat.to(torch.uint8) if torch.compiler.is_compiling() else flat.view(torch.uint8)
+    words = flags.view(torch.int64)
     return ((words * _GATHER) >> 56).to(torch.uint8)
 
 
