@@ -22,6 +22,7 @@ def grads_of(model: nn.Module, params_of: nn.Module, x: torch.Tensor) -> dict[st
     return {"input": xx.grad} | {n: p.grad.clone() for n, p in params_of.named_parameters()}
 
 
+@pytest.mark.slow
 def test_resnet18_compiled_matches_eager():
     torch._dynamo.reset()
     torch.manual_seed(0)

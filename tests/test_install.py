@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).parents[1]
 SKIP = shutil.ignore_patterns(".git", "outputs", "multirun", "wandb", "build", "*.egg-info", "__pycache__",
                               ".pytest_cache", ".ruff_cache", "docs", "analysis", "benchmarks", "tests",
@@ -26,6 +28,7 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Completed
     return proc
 
 
+@pytest.mark.slow
 def test_wheel_install_finds_configs_from_anywhere(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LESSMEM_CONF", "HYDRA_FULL_ERROR")}
     env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled", PIP_DISABLE_PIP_VERSION_CHECK="1")

@@ -45,6 +45,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_triton_mask_kernels_match_reference() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "LESSMEM_TRITON": "1"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
