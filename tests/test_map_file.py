@@ -1,0 +1,54 @@
+"""A map file is a complete choice: it never runs without the exact companions unless asked, its
+name labels the run, and the record carries the map and its hash (issue 23)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from lessmem.experiment import run
+from lessmem.experiment.compression import resolve_compression
+
+
+@pytest.fixture
+def half_map(tmp_path: Path) -> Path:
+    path = tmp_path / "half.yaml"
+    path.write_text("'*': 2\n")
+    return path
+
+
+def test_map_file_on_the_stock_preset_keeps_the_companions(compose, half_map: Path) -> None:
+    from_file = resolve_compression(compose(f"compression.map_file={half_map}").compression)
+    preset = resolve_compression(compose("compression=pool2").compression)
+    assert from_file.name == "half" and from_file.exact_companions and from_file.map == {"*": 2}
+    assert from_file.digest == preset.digest  # the same choice, asked for two ways
+    assert resolve_compression(compose("compression=none").compression).exact_companions is False
+
+
+def test_the_file_labels_the_run_not_the_preset(compose, tmp_path: Path) -> None:
+    path = tmp_path / "mine.yaml"
+    path.write_text("name: greedy_0.4\nexact_companions: false\nmap:\n  '*': 2\n")
+    choice = resolve_compression(compose("compression=pool2", f"compression.map_file={path}").compression)
+    assert choice.name == "greedy_0.4" and choice.exact_companions is False and choice.source == str(path)
+    assert choice.digest != resolve_compression(compose("compression=pool2").compression).digest
+
+
+def test_run_records_the_map_and_its_label(compose, tiny, half_map: Path, tmp_path: Path) -> None:
+    metrics = run(compose(*tiny, "compression=none", f"compression.map_file={half_map}",
+                          f"out_dir={tmp_path / 'run'}"))
+    assert metrics["compression"] == "half" and metrics["compression_map"] == {"*": 2}
+    assert metrics["exact_companions"] is True and metrics["ratio"] < 0.7
+    assert len(metrics["compression_hash"]) == 10
+
+
+def test_a_run_keeping_more_than_stock_says_so(compose, tiny, tmp_path: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "naive.yaml"
+    path.write_text("name: naive\nexact_companions: false\nmap:\n  '*': 2\n")
+    with caplog.at_level(logging.WARNING):
+        metrics = run(compose(*tiny, f"compression.map_file={path}", f"out_dir={tmp_path / 'run'}"))
+    assert metrics["ratio"] > 1 and metrics["compression"] == "naive"
+    assert any("keeps" in r.message and "the stock bytes" in r.message and "exact_companions is off"
+               in r.message for r in caplog.records)
