@@ -9,7 +9,11 @@ For each model, mode (eager, torch.compile), precision (fp32, AMP bf16) and conf
 - step time (median of ``--steps`` timed steps after ``--warmup``) and throughput.
 Then the fused mask kernels (Triton on CUDA) against the torch reference, timed through a
 compressed ReLU layer: forward (``clamp_and_pack``) and forward + backward (+ ``masked_grad``),
-next to stock ``nn.ReLU``.
+next to stock ``nn.ReLU``. A measurement that fails becomes a "failed" row (the exit status
+says so) instead of ending the run.
+
+Not yet run on a GPU (none was lent while it was written): only its CPU mode, below, is tested.
+The default set compiles six models; on a fresh machine start with ``--modes eager``.
 
     python benchmarks/gpu.py --out docs/results/gpu.md          # resnet18, 224 px, batch 64
     python benchmarks/gpu.py --models resnet18 resnet50 --batch 128 --modes eager
@@ -81,10 +85,17 @@ class Markdown:
 
     def __init__(self) -> None:
         self.lines: list[str] = []
+        self.failures = 0
 
     def add(self, *lines: str) -> None:
         self.lines += lines
         print("\n".join(lines), flush=True)
+
+    def failed(self, prefix: str, error: Exception) -> None:
+        """A failing measurement becomes a row: it must not cost the rest of a GPU session."""
+        self.failures += 1
+        message = " ".join(f"{type(error).__name__}: {error}".split()).replace("|", "/")[:160]
+        self.add(f"{prefix} failed: {message} |")
 
     def write(self, path: str) -> None:
         with open(path, "w") as f:
@@ -108,10 +119,19 @@ def measure_step(stock: nn.Module, config: str, mode: str, precision: str, data:
     seconds = median_seconds(partial(training_step, net, data, optimizer, amp_dtype=amp_dtype),
                              args.device, args.steps, args.warmup)
     del model, net, optimizer
-    gc.collect()
+    release_memory(mode)
     return {"config": config, "saved_mib": saved / MIB, "peak_mib": step.peak_bytes / MIB,
             "phase": step.phase, "split": step.by_category, "step_ms": seconds * 1e3,
             "img_s": len(data[0]) / seconds}
+
+
+def release_memory(mode: str) -> None:
+    """Free what the last configuration left, so the next one's device peak is its own."""
+    if mode == "compile":
+        torch._dynamo.reset()  # compiled graphs keep the model they traced alive
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def ratio(row: dict, stock: dict | None, key: str) -> str:
@@ -131,7 +151,12 @@ def step_table(model_name: str, args, out: Markdown) -> None:
         for precision in args.precisions:
             base = None
             for config in args.configs:
-                r = measure_step(stock, config, mode, precision, data, args)
+                try:
+                    r = measure_step(stock, config, mode, precision, data, args)
+                except Exception as e:
+                    release_memory(mode)
+                    out.failed(f"| {mode} | {precision} | {config} |", e)
+                    continue
                 base = r if config == "stock" else base
                 out.add(f"| {mode} | {precision} | {config} | {r['saved_mib']:.1f} | {ratio(r, base, 'saved_mib')} | "
                         f"{r['peak_mib']:.1f} | {ratio(r, base, 'peak_mib')} | {r['phase']} | "
@@ -156,12 +181,16 @@ def kernel_table(args, out: Markdown) -> None:
         for name, run in passes.items():
             def timed(layer: nn.Module, run: Callable[[nn.Module], object] = run) -> float:
                 return median_seconds(lambda: run(layer), args.device, args.kernel_repeats, args.warmup) * 1e3
-            fused = timed(packed)
-            with torch_reference_kernels():
-                reference = timed(packed)
-            stock = timed(nn.ReLU())
-            out.add(f"| {tuple(args.kernel_shape)} | {str(dtype).removeprefix('torch.')} | {name} | "
-                    f"{fused:.3f} | {reference:.3f} | {stock:.3f} | {reference / fused:.2f} |")
+            prefix = f"| {tuple(args.kernel_shape)} | {str(dtype).removeprefix('torch.')} | {name} |"
+            try:
+                fused = timed(packed)
+                with torch_reference_kernels():
+                    reference = timed(packed)
+                stock = timed(nn.ReLU())
+            except Exception as e:
+                out.failed(prefix, e)
+                continue
+            out.add(f"{prefix} {fused:.3f} | {reference:.3f} | {stock:.3f} | {reference / fused:.2f} |")
 
 
 def header(device: torch.device) -> str:
@@ -206,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     kernel_table(args, out)
     if args.out:
         out.write(args.out)
+    if out.failures:
+        raise SystemExit(f"{out.failures} measurement(s) failed: see the rows marked 'failed'")
 
 
 if __name__ == "__main__":
