@@ -65,7 +65,7 @@ def measure(model_name: str, optimizer_name: str, config: str, batch: int, size:
     return {
         "model": model_name, "optimizer": optimizer_name, "batch": batch, "config": config,
         "peak_mib": report.peak_bytes / MIB, "phase": report.phase,
-        **{c: report.by_category.get(c, 0) / MIB for c in CATEGORIES},
+        **{c: report.by_category[c] / MIB for c in CATEGORIES},
         "growth_mib": (report.peak_bytes - report.start_bytes) / MIB, "rss_growth_mib": rss / MIB,
     }
 

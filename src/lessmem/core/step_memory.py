@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,8 @@ from torch.profiler._memory_profiler import Action, Category, MemoryProfile, Ten
 
 # torch's categories under the names the report uses. "autograd_detail": tensors made in the
 # backward pass that are not parameter gradients (the gradients of activations in flight);
-# "unknown": allocations that no op returned as a tensor (kernel scratch buffers).
+# "unknown": bytes it could not tie to a role (scratch buffers, tensors that only C++ kernels
+# outside the dispatcher write).
 CATEGORY_NAMES: dict[Category | None, str] = {
     Category.PARAMETER: "parameters",
     Category.OPTIMIZER_STATE: "optimizer_state",
@@ -50,33 +51,19 @@ class StepMemoryReport:
     peak_bytes: int
     by_category: dict[str, int]  # live bytes per category at the profiled peak
     start_bytes: int  # live before the step: parameters, buffers, optimizer state, the batch
-    phase: str | None  # the phase of training_step the peak fell in; None for other steps
+    phase: str | None  # training_step's phase at the profiled peak; None for other steps
     device: str
     method: str  # what peak_bytes reads
 
-    @property
-    def peak_mib(self) -> float:
-        return self.peak_bytes / 2**20
-
     def ratio_to(self, baseline: StepMemoryReport) -> float:
         return self.peak_bytes / baseline.peak_bytes if baseline.peak_bytes else float("nan")
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "step_peak_bytes": self.peak_bytes,
-            "step_peak_mib": self.peak_mib,
-            "step_start_bytes": self.start_bytes,
-            "step_peak_phase": self.phase,
-            "step_peak_by_category": dict(self.by_category),
-            "step_peak_method": self.method,
-        }
 
 
 @dataclass
 class StepMemoryTracker:
     """Filled in when its ``track_step_memory`` block ends."""
 
-    report: StepMemoryReport | None = field(default=None)
+    report: StepMemoryReport | None = None
 
 
 def training_step(
