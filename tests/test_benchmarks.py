@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -29,3 +32,36 @@ def test_profile_diff_lists_ops_of_both_models() -> None:
     out = _run("profile_diff.py", "32", "2", "1", "--rounds", "1", "--top", "40")
     assert re.search(r"^total: stock [\d.]+, 2x2 [\d.]+$", out, re.M), out
     assert "aten::convolution_backward" in out and "PooledConv2dFunction" in out
+
+
+def test_peak_memory_benchmark_tables_fits_check_csv_and_plot(tmp_path: Path) -> None:
+    csv_path, png = tmp_path / "peak.csv", tmp_path / "peak.png"
+    out = _run("peak_memory.py", "--runs", "resnet20:sgd", "--batches", "2", "4", "--size", "16",
+               "--configs", "stock", "2x2", "--caps", "0.05", "--check", "resnet20:sgd",
+               "--check-cap", "0.02", "--csv", str(csv_path), "--plot", str(png))
+    for batch in (2, 4):
+        for config in ("stock", "2x2"):
+            assert re.search(rf"^\| resnet20 \| sgd \| {batch} \| {config} \| [\d.]+ \| [\d.]+ \| \w+ \|", out, re.M), out
+    assert re.search(r"^\| resnet20 \| sgd \| 2x2 \| [\d.-]+ \| [\d.]+ \| \d+ \([\d.]+x\) \|$", out, re.M), out
+    assert re.search(r"^\| 2x2 \| \d+ \| [\d.]+ \| (yes|NO) \| \d+ \| [\d.]+ \| (yes|NO) \|$", out, re.M), out
+    assert len(csv_path.read_text().splitlines()) == 1 + 4
+    assert png.stat().st_size > 0
+
+
+def test_gpu_benchmark_runs_its_cpu_mode_and_writes_markdown(tmp_path: Path) -> None:
+    md = tmp_path / "gpu.md"
+    out = _run("gpu.py", "--device", "cpu", "--models", "resnet20", "--size", "16", "--batch", "2",
+               "--modes", "eager", "--configs", "stock", "2x2", "--steps", "1", "--warmup", "1",
+               "--kernel-shape", "2", "8", "16", "16", "--kernel-repeats", "2", "--out", str(md))
+    assert md.read_text().strip() == out.strip()
+    for precision in ("fp32", "bf16"):
+        assert re.search(rf"^\| eager \| {precision} \| 2x2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \w+ \|", out, re.M), out
+    assert re.search(r"^\| \(2, 8, 16, 16\) \| float32 \| forward \+ backward \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$",
+                     out, re.M), out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for machines without CUDA")
+def test_gpu_benchmark_asks_for_cpu_mode_without_cuda() -> None:
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu.py")], capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 2 and "--device cpu" in proc.stderr

@@ -1,8 +1,8 @@
 """lessmem: train neural networks with compressed activations.
 
-The library (torch only): ``compress``, ``uncompress``, ``measure_memory``, ``coverage`` and
-``sensitivity`` below. The experiment framework (Hydra, Optuna, W&B) is built on it in
-``lessmem.experiment``, ``lessmem.search``, ``lessmem.reporting`` and ``lessmem.cli``; see
+The library (torch only): ``compress``, ``uncompress``, ``measure_memory`` (saved-for-backward
+bytes), ``measure_step_memory`` (whole-step peak), ``coverage`` and ``sensitivity`` below. The
+experiment framework (Hydra, Optuna, W&B) is built on it in ``lessmem.experiment``, ``lessmem.search``, ``lessmem.reporting`` and ``lessmem.cli``; see
 docs/architecture.md for the layers and the one direction their imports run.
 """
 
@@ -10,11 +10,14 @@ from lessmem.core import (
     CoverageReport,
     LayerSpec,
     MemoryReport,
+    StepMemoryReport,
     compress,
     compressed_layers,
     compressible_layers,
     coverage,
     measure_memory,
+    measure_step_memory,
+    track_step_memory,
     uncompress,
 )
 from lessmem.layer_sensitivity import SensitivityResult, sensitivity
@@ -25,11 +28,14 @@ __all__ = [
     "LayerSpec",
     "MemoryReport",
     "SensitivityResult",
+    "StepMemoryReport",
     "compress",
     "compressed_layers",
     "compressible_layers",
     "coverage",
     "measure_memory",
+    "measure_step_memory",
     "sensitivity",
+    "track_step_memory",
     "uncompress",
 ]

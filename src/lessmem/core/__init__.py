@@ -2,7 +2,8 @@
 
     from lessmem.core import compress, measure_memory, uncompress
     compress(model, {"layer1.*": 4, "*": 2})   # fnmatch patterns on module names; first match wins
-    report = measure_memory(model, images)
+    report = measure_memory(model, images)            # saved-for-backward bytes
+    step = measure_step_memory(model, (images, labels), optimizer=opt)   # whole-step peak
     uncompress(model)
 
 Other layers use the core through the names exported here.
@@ -15,14 +16,23 @@ from lessmem.core.kernels.cpu import build_cpu_kernels
 from lessmem.core.mapping import compressible_layers, resolve_mapping
 from lessmem.core.memory import MemoryReport, measure_memory
 from lessmem.core.patterns import first_match
+from lessmem.core.resident_memory import FIXED_MMAP_ENV, peak_rss_growth
 from lessmem.core.spec import LayerSpec, parse_spec
+from lessmem.core.step_memory import (
+    StepMemoryReport,
+    measure_step_memory,
+    track_step_memory,
+    training_step,
+)
 from lessmem.core.storage import STORAGES
 
 __all__ = [
+    "FIXED_MMAP_ENV",
     "STORAGES",
     "CoverageReport",
     "LayerSpec",
     "MemoryReport",
+    "StepMemoryReport",
     "build_cpu_kernels",
     "compress",
     "compressed_layers",
@@ -31,8 +41,12 @@ __all__ = [
     "expand_blocks",
     "first_match",
     "measure_memory",
+    "measure_step_memory",
     "parse_spec",
+    "peak_rss_growth",
     "pool_blocks",
     "resolve_mapping",
+    "track_step_memory",
+    "training_step",
     "uncompress",
 ]
