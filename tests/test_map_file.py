@@ -41,6 +41,9 @@ def test_run_records_the_map_and_its_label(compose, tiny, half_map: Path, tmp_pa
     assert metrics["compression"] == "half" and metrics["compression_map"] == {"*": 2}
     assert metrics["exact_companions"] is True and metrics["ratio"] < 0.7
     assert len(metrics["compression_hash"]) == 10
+    # The whole training step's peak is recorded beside the saved bytes (issue 22).
+    assert 0 < metrics["step_peak_bytes"] < metrics["stock_step_peak_bytes"]
+    assert metrics["step_peak_ratio"] == metrics["step_peak_bytes"] / metrics["stock_step_peak_bytes"]
 
 
 def test_a_run_keeping_more_than_stock_says_so(compose, tiny, tmp_path: Path,

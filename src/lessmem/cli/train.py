@@ -29,7 +29,8 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     print(
         f"{m['model']} / {m['compression']}: top1 {m['final_top1']:.4f} (best {m['best_top1']:.4f} "
         f"@ epoch {m['best_epoch']}), saved {m['saved_bytes'] / 2**20:.2f} MiB vs stock "
-        f"{m['stock_saved_bytes'] / 2**20:.2f} MiB (ratio {m['ratio']:.3f}), "
+        f"{m['stock_saved_bytes'] / 2**20:.2f} MiB (ratio {m['ratio']:.3f}), whole-step peak ratio "
+        f"{m['step_peak_ratio']:.3f}, "
         f"{m['train_time_s']:.1f}s -> {cfg.out_dir}"
     )
     return m  # the metrics, for sweepers that optimize them (hydra.sweeper.objectives)

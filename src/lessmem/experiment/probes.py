@@ -4,15 +4,16 @@ compressed layers, validation accuracy, fixed probe batches."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lessmem.core import compressed_layers, measure_memory, uncompress
+from lessmem.core import compressed_layers, measure_memory, measure_step_memory, uncompress
 from lessmem.experiment.distributed import all_reduce_mean_, all_reduce_sum
-from lessmem.experiment.runtime import autocast
+from lessmem.experiment.runtime import PRECISIONS, autocast
 
 
 def first_batch(loader: Any, n: int) -> tuple[Tensor, Tensor]:
@@ -27,13 +28,12 @@ def first_batch(loader: Any, n: int) -> tuple[Tensor, Tensor]:
     return torch.cat(xs)[:n], torch.cat(ys)[:n]
 
 
-def first_images(loader: Any, n: int) -> Tensor:
-    return first_batch(loader, n)[0]
-
-
-def measure(stock: nn.Module, model: nn.Module, x: Tensor, device: torch.device, precision: str) -> dict[str, Any]:
-    """Saved-for-backward bytes of the stock and the compressed model on one batch. Runs on
-    copies in train mode so BatchNorm statistics and RNG of the real model are untouched."""
+def measure(stock: nn.Module, model: nn.Module, batch: tuple[Tensor, Tensor], device: torch.device,
+            precision: str, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]) -> dict[str, Any]:
+    """Saved-for-backward bytes and whole-step peak memory (forward, backward, optimizer step)
+    of the stock and the compressed model on one batch. Runs on copies in train mode so the
+    weights, BatchNorm statistics and RNG of the real model are untouched."""
+    x, y = batch
     out: dict[str, Any] = {"memory_batch": len(x)}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for prefix, net in (("stock_", stock), ("", model)):
@@ -42,10 +42,16 @@ def measure(stock: nn.Module, model: nn.Module, x: Tensor, device: torch.device,
                 report = measure_memory(net, x.to(device))
             out[f"{prefix}saved_bytes"] = report.total_bytes
             out[f"{prefix}cuda_peak_bytes"] = report.cuda_peak_bytes
+            step = measure_step_memory(net, (x.to(device), y.to(device)), optimizer=make_optimizer(net),
+                                       amp_dtype=PRECISIONS[precision])
+            out[f"{prefix}step_peak_bytes"] = step.peak_bytes
             if not prefix:
                 out["saved_bytes_per_layer"] = report.per_layer
+                out["step_peak_phase"] = step.phase
+                out["step_peak_by_category"] = step.by_category
             del net
     out["ratio"] = out["saved_bytes"] / out["stock_saved_bytes"] if out["stock_saved_bytes"] else float("nan")
+    out["step_peak_ratio"] = out["step_peak_bytes"] / out["stock_step_peak_bytes"]
     return out
 
 

@@ -47,7 +47,7 @@ from lessmem.experiment.loggers import Logger as NullLogger
 from lessmem.experiment.loggers import build_logger
 from lessmem.experiment.model import build_model_from_cfg, compress_as_configured, wrap_for_training
 from lessmem.experiment.optim import build_optimizer, build_scheduler
-from lessmem.experiment.probes import evaluate, first_batch, first_images, grad_cosine, measure
+from lessmem.experiment.probes import evaluate, first_batch, grad_cosine, measure
 from lessmem.experiment.runtime import autocast, resolve_device, validate
 from lessmem.experiment.seeds import epoch_seed, seed_everything
 
@@ -103,8 +103,10 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
     model.to(device)
     memory_format = torch.channels_last if cfg.get("channels_last") else torch.contiguous_format
     model.to(memory_format=memory_format)
-    x_memory = first_images(val_loader, int(cfg.memory_batch))
-    memory = measure(stock, model, x_memory, device, cfg.precision)
+    memory_batch = first_batch(val_loader, int(cfg.memory_batch))
+    x_memory = memory_batch[0]
+    memory = measure(stock, model, memory_batch, device, cfg.precision,
+                     lambda net: build_optimizer(cfg.optimizer, net.parameters()))
     del stock
     choice = resolve_compression(cfg.compression)
     memory.update(choice.record())

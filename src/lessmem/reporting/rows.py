@@ -11,7 +11,8 @@ from typing import Any
 import yaml
 
 # saved_bytes: saved-for-backward bytes of the compressed model on the memory batch; peak_bytes:
-# CUDA peak of one train step (None on CPU); ratio: saved_bytes / stock_saved_bytes (the same
+# whole-step peak of one train step on that batch (the CPU allocator's tensor bytes, or CUDA's
+# max_memory_allocated; older runs: CUDA only); ratio: saved_bytes / stock_saved_bytes (the same
 # model uncompressed, same batch).
 COLUMNS = ["name", "map", "map_hash", "kernels", "saved_bytes", "stock_saved_bytes", "peak_bytes", "ratio",
            "top1", "top5", "train_time_s", "epochs"]
@@ -65,7 +66,7 @@ def row_from(cfg: Mapping[str, Any], metrics: Mapping[str, Any], *, name: str | 
     return {
         "name": name or comp, "map": comp, "map_hash": metrics.get("compression_hash"),
         "kernels": kernel_summary(mapping),
-        "saved_bytes": saved, "stock_saved_bytes": stock, "peak_bytes": metrics.get("cuda_peak_bytes"),
+        "saved_bytes": saved, "stock_saved_bytes": stock, "peak_bytes": metrics.get("step_peak_bytes", metrics.get("cuda_peak_bytes")),
         "ratio": ratio, "top1": metrics.get("final_top1"), "top5": metrics.get("final_top5"),
         "train_time_s": metrics.get("train_time_s"),
         "epochs": metrics.get("epochs", len(history or [])),
