@@ -11,20 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 from PIL import Image
 
 from lessmem import reporting as R
-from lessmem.experiment.paths import conf_dir
+from lessmem.experiment import compose_config
 from lessmem.experiment.train import run
 
 REPO = Path(__file__).parents[1]
 ANALYSIS = REPO / "analysis"
 # 64 synthetic images, 2 steps of 32, 1 epoch: about a second per run.
-TINY = ["model=resnet20", "dataset=synthetic", "dataset.size=64", "dataset.val_size=32", "logger=disabled",
-        "device=cpu", "batch_size=32", "eval_batch_size=32", "memory_batch=4", "epochs=1"]
-
 
 def valid_png(path: Path) -> None:
     assert path.is_file(), path
@@ -44,11 +40,10 @@ def script(name: str):
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def sweep(tmp_path_factory: pytest.TempPathFactory, tiny: tuple[str, ...]) -> Path:
     root = tmp_path_factory.mktemp("sweep")
     for i, comp in enumerate(("none", "pool2")):
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            cfg = compose("train", overrides=[*TINY, f"compression={comp}"])
+        cfg = compose_config([*tiny, f"compression={comp}"])
         with open_dict(cfg):  # Hydra-style dir name; '=' cannot go through an override
             cfg.out_dir = str(root / f"{i}_compression={comp}")
         run(cfg)

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +18,6 @@ from lessmem.experiment.checkpoint import RESUME_KEYS
 from lessmem.experiment.seeds import rng_state, set_rng_state
 
 SENSITIVITY_BASE = ["model=resnet20", "dataset=synthetic", "dataset.size=16", "device=cpu"]
-TINY = ["model=resnet20", "dataset=synthetic", "dataset.size=32", "dataset.val_size=16", "batch_size=16",
-        "memory_batch=2", "epochs=1", "logger=disabled", "device=cpu"]
-
 
 class RunsCode:
     """Unpickling it runs ``touch <marker>``."""
@@ -44,17 +38,13 @@ def code_running_checkpoint(folder: Path) -> tuple[Path, Path]:
     return folder / "checkpoint.pt", marker
 
 
-def test_resume_cli_refuses_code_running_checkpoint(tmp_path: Path) -> None:
+def test_resume_cli_refuses_code_running_checkpoint(tmp_path: Path, tiny, run_cli) -> None:
+    from lessmem.cli.train import train_main
+
     run_dir = tmp_path / "run"
     _, marker = code_running_checkpoint(run_dir)
-    exe = shutil.which("lessmem-train")
-    cmd = [exe] if exe else [sys.executable, "-m", "lessmem.cli.train"]
-    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "LESSMEM_FAULT")}
-    proc = subprocess.run([*cmd, *TINY, f"hydra.run.dir={run_dir}", "resume=true"], cwd=tmp_path,
-                          env={**env, "WANDB_MODE": "disabled"}, capture_output=True, text=True, timeout=300)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
-    assert lines[0].startswith("lessmem-train: error: ") and "could run code" in lines[0]
+    result = run_cli(train_main, "lessmem-train", *tiny, f"hydra.run.dir={run_dir}", "resume=true")
+    assert result.is_one_error("lessmem-train", "could run code"), result
     assert not marker.exists()
 
 

@@ -28,20 +28,6 @@ TINY = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _env(tmp_path_factory: pytest.TempPathFactory):
-    # Tiny subsets decode only their own files into a throwaway cache.
-    old = {k: os.environ.get(k) for k in ("LESSMEM_CACHE", "WANDB_SILENT")}
-    os.environ["LESSMEM_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    os.environ["WANDB_SILENT"] = "true"
-    yield
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
 def make_cfg(out_dir: Path, *overrides: str):
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         return compose("train", overrides=[*TINY, f"out_dir={out_dir}", *overrides])
