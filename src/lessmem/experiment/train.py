@@ -105,22 +105,13 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
     model.to(memory_format=memory_format)
     memory_batch = first_batch(val_loader, int(cfg.memory_batch))
     x_memory = memory_batch[0]
-    memory = measure(stock, model, memory_batch, device, cfg.precision,
-                     lambda net: build_optimizer(cfg.optimizer, net.parameters()))
+    memory = memory_record(stock, model, memory_batch, device, cfg, warn=ddp.is_main)
     del stock
-    choice = resolve_compression(cfg.compression)
-    memory.update(choice.record())
-    if ddp.is_main and memory["ratio"] > 1:
-        log.warning("lessmem: compression %r (%s) keeps %.3fx the stock bytes (%.2f vs %.2f MiB): it "
-                    "costs memory instead of saving it%s", choice.name, choice.digest, memory["ratio"],
-                    memory["saved_bytes"] / 2**20, memory["stock_saved_bytes"] / 2**20,
-                    "" if choice.exact_companions else "; exact_companions is off, so ReLU and "
-                    "max-pool keep full tensors beside the pooled copies")
     if ddp.is_main:  # reports of a run in progress read it here, never from the pickled checkpoint
         atomic_write_text(json.dumps(memory, indent=2), out_dir / "memory.json")
     coverage = None
     if cfg.get("coverage") and ddp.is_main:
-        coverage = write_coverage(model, x_memory.to(device), out_dir, f"{cfg.model.name} / {choice.name}")
+        coverage = write_coverage(model, x_memory.to(device), out_dir, f"{cfg.model.name} / {memory['compression']}")
     net, model = wrap_for_training(model, cfg, ddp, device)
 
     criterion = nn.CrossEntropyLoss(label_smoothing=float(cfg.get("label_smoothing", 0.0)))
@@ -178,6 +169,23 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
     logger.finish(exit_code=0)
     teardown(ddp)
     return metrics
+
+
+def memory_record(stock: nn.Module, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+                  device: torch.device, cfg: DictConfig, warn: bool) -> dict[str, Any]:
+    """Saved bytes and whole-step peak of stock and compressed on one batch, labelled with the
+    compression choice; a choice that keeps more than stock says so."""
+    memory = measure(stock, model, batch, device, cfg.precision,
+                     lambda net: build_optimizer(cfg.optimizer, net.parameters()))
+    choice = resolve_compression(cfg.compression)
+    memory.update(choice.record())
+    if warn and memory["ratio"] > 1:
+        log.warning("lessmem: compression %r (%s) keeps %.3fx the stock bytes (%.2f vs %.2f MiB): it "
+                    "costs memory instead of saving it%s", choice.name, choice.digest, memory["ratio"],
+                    memory["saved_bytes"] / 2**20, memory["stock_saved_bytes"] / 2**20,
+                    "" if choice.exact_companions else "; exact_companions is off, so ReLU and "
+                    "max-pool keep full tensors beside the pooled copies")
+    return memory
 
 
 def train_epoch(model: nn.Module, loader: Any, criterion: nn.Module, optimizer: torch.optim.Optimizer,
