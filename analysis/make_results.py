@@ -293,7 +293,7 @@ def build(args: argparse.Namespace) -> str:
         *([f"- {', '.join(ours['_small_batch'])} at batch 32 (OOM-killed here; measured at a smaller batch)."]
           if ours.get("_small_batch") else []),
         "- CUDA peak memory (total, as the paper reports) for every row above: needs a GPU; "
-        "`python benchmarks/memory.py` / `lessmem.train` record `cuda_peak_bytes` when run on CUDA.",
+        "`python benchmarks/gpu.py` / `lessmem-train` record it when run on CUDA.",
         "- ResNet18 accuracy with the paper's longer schedule (`experiment=paper_resnet18`).",
     ]
     if any(not r.get("complete", True) for r in cifar_rows):
