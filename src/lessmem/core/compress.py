@@ -3,18 +3,19 @@ the swapped modules keep their parameters, so ``state_dict`` keys never change."
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import nn
 
 from lessmem.core.functions import custom_ops  # noqa: F401  (registers torch.ops.lessmem.*)
+from lessmem.core.layers.conv import CompressedConv2d
 from lessmem.core.layers.registry import (
-    COMPRESSIBLE,
     EXACT_COMPANIONS,
     STOCK_OF,
-    STORED_ACTIVATIONS,
     STORED_NORMS,
+    compressed_class_of,
+    stored_activation_of,
 )
 from lessmem.core.mapping import resolve_mapping
 from lessmem.core.patterns import first_match, unmatched
@@ -56,45 +57,50 @@ def compress(
         module = model.get_submodule(name)
         if spec.exact:
             continue
-        if spec.kernel[0] != spec.kernel[1] and type(module) in (nn.Linear, nn.MultiheadAttention):
+        compressed = compressed_class_of(module)
+        if spec.kernel[0] != spec.kernel[1] and compressed is not CompressedConv2d:
             raise ValueError(
                 f"layer {name!r} is {type(module).__name__}: it pools tokens, give one size, "
                 f"not {spec.kernel}"
             )
-        _swap(module, COMPRESSIBLE[type(module)])
+        _swap(module, compressed)
         module.lessmem_spec = spec
         module.lessmem_name = name
     if exact_companions:
         for module in model.modules():
             if type(module) in EXACT_COMPANIONS:
                 _swap(module, EXACT_COMPANIONS[type(module)])
-    for option, rule, stored_class in (
-        ("norm_storage", norm_storage, STORED_NORMS),
-        ("act_storage", act_storage, STORED_ACTIVATIONS),
+    for option, rule, stored_class_of, kind in (
+        ("norm_storage", norm_storage, _stored_norm_of, "BatchNorm2d"),
+        ("act_storage", act_storage, stored_activation_of, "GELU/SiLU"),
     ):
-        for name, storage in _storage_choices(model, rule, tuple(stored_class), option).items():
+        for name, storage in _storage_choices(model, rule, stored_class_of, option, kind).items():
             module = model.get_submodule(name)
-            _swap(module, stored_class[type(module)])
+            _swap(module, stored_class_of(module))
             module.lessmem_storage = storage
     return model
+
+
+def _stored_norm_of(module: nn.Module) -> type[nn.Module] | None:
+    return STORED_NORMS.get(type(module))
 
 
 def _storage_choices(
     model: nn.Module,
     storage_rule: str | Mapping[str, str],
-    kinds: tuple[type[nn.Module], ...],
+    stored_class_of: Callable[[nn.Module], type[nn.Module] | None],
     option: str,
+    kind: str,
 ) -> dict[str, str]:
-    """Name -> lossy storage of each layer of ``kinds`` that ``storage_rule`` (one storage, or
-    ``{pattern: storage}``, first match wins) sends away from ``native``."""
-    norms = [n for n, m in model.named_modules() if type(m) in kinds]
+    """Name -> lossy storage of each layer with a ``stored_class_of`` that ``storage_rule`` (one
+    storage, or ``{pattern: storage}``, first match wins) sends away from ``native``."""
+    norms = [n for n, m in model.named_modules() if stored_class_of(m) is not None]
     rules = {"*": storage_rule} if isinstance(storage_rule, str) else dict(storage_rule)
     chosen: dict[str, str] = {}
     for storage in rules.values():
         check_storage(str(storage))
     for pattern in unmatched(rules, norms):
         if pattern != "*":
-            kind = "/".join(k.__name__ for k in kinds)
             raise ValueError(f"{option} pattern {pattern!r} matches no {kind}; have {norms}")
     for name in norms:
         pattern = first_match(name, rules)
