@@ -62,9 +62,9 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], Tensor], float]] = 
     "timm_vit_tiny": (timm_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2), image(32), 0.87),
     "timm_convnext_atto": (timm_model("convnext_atto"), image(64), 0.66),
     "timm_mobilenetv3": (timm_model("mobilenetv3_small_050"), image(64), 0.79),
-    "hf_gpt2": (hf_gpt2, embeddings, 0.93),
+    "hf_gpt2": (hf_gpt2, embeddings, 0.53),
     "hf_bert": (hf_bert, embeddings, 0.85),
-    "hf_llama": (hf_llama, embeddings, 0.91),
+    "hf_llama": (hf_llama, embeddings, 0.77),
     "hf_vit": (hf_vit, image(32), 0.86),
 }
 SLOW_CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], Tensor], float]] = {
@@ -146,11 +146,12 @@ LLAMA_PROJECTIONS = [
 
 @pytest.mark.parametrize("mapping", LLAMA_PROJECTIONS, ids=lambda m: "+".join(m))
 def test_no_compressed_layer_adds_bytes(mapping: dict[str, int]) -> None:
-    """Each family of Llama projections, compressed alone, saves no more than stock (o_proj
-    exactly as much: it keeps a reference to the attention output, not a pooled copy)."""
+    """Each family of Llama projections, compressed alone, saves less than the exact companions
+    alone (map None), o_proj exactly as much: it keeps a reference to the attention output, not a
+    pooled copy."""
     model, x, _ = build("hf_llama")
     x.requires_grad_(True)
-    stock = saved_bytes(model, x)
+    stock = saved_bytes(lessmem.compress(copy.deepcopy(model), None), x)
     compressed = saved_bytes(lessmem.compress(copy.deepcopy(model), mapping), x)
     if "*o_proj" in mapping:
         assert compressed == stock
@@ -194,3 +195,18 @@ def test_hf_activations_are_stored_only_when_asked(name: str, activation: str) -
     torch.testing.assert_close(gx, stock[1], rtol=0.05, atol=1e-3)
     lessmem.uncompress(model)
     assert type(model.get_submodule(activation)) is original
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
+def test_recomputing_companions_are_exact_and_save_less(name: str) -> None:
+    """With no pooling (map None), GPT-2's NewGELU and Llama's gated MLP keep only their inputs and
+    recompute in backward: every gradient, parameters included, is bit-identical to stock."""
+    model, x, _ = build(name)
+    companion = lessmem.compress(copy.deepcopy(model), None)
+    for m in (model, companion):
+        m.zero_grad()
+    assert torch.equal(forward_backward(model, x)[1], forward_backward(companion, x)[1])
+    for (n, p), q in zip(model.named_parameters(), companion.parameters(), strict=True):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), n
+    x.requires_grad_(True)
+    assert saved_bytes(companion, x) < saved_bytes(model, x)

@@ -10,11 +10,12 @@ from torch import nn
 
 from lessmem.core.functions import custom_ops  # noqa: F401  (registers torch.ops.lessmem.*)
 from lessmem.core.layers.conv import CompressedConv2d
+from lessmem.core.layers.dispatch import ORIGINAL_CLASS_ATTR
 from lessmem.core.layers.registry import (
-    EXACT_COMPANIONS,
     STOCK_OF,
     STORED_NORMS,
     compressed_class_of,
+    exact_companion_of,
     stored_activation_of,
 )
 from lessmem.core.mapping import resolve_mapping
@@ -22,12 +23,10 @@ from lessmem.core.patterns import first_match, unmatched
 from lessmem.core.spec import LayerSpec
 from lessmem.core.storage import check_storage
 
-_ORIGINAL = "_lessmem_original_class"
-
 
 def _swap(module: nn.Module, new_cls: type[nn.Module]) -> None:
-    if not hasattr(module, _ORIGINAL):
-        object.__setattr__(module, _ORIGINAL, type(module))
+    if not hasattr(module, ORIGINAL_CLASS_ATTR):
+        object.__setattr__(module, ORIGINAL_CLASS_ATTR, type(module))
     module.__class__ = new_cls
 
 
@@ -68,8 +67,9 @@ def compress(
         module.lessmem_name = name
     if exact_companions:
         for module in model.modules():
-            if type(module) in EXACT_COMPANIONS:
-                _swap(module, EXACT_COMPANIONS[type(module)])
+            companion = exact_companion_of(module)
+            if companion is not None:
+                _swap(module, companion)
     for option, rule, stored_class_of, kind in (
         ("norm_storage", norm_storage, _stored_norm_of, "BatchNorm2d"),
         ("act_storage", act_storage, stored_activation_of, "GELU/SiLU"),
@@ -112,7 +112,7 @@ def _storage_choices(
 def uncompress(model: nn.Module) -> nn.Module:
     """Restore every swapped layer to its stock class (in place); returns ``model``."""
     for module in model.modules():
-        original = module.__dict__.pop(_ORIGINAL, None)
+        original = module.__dict__.pop(ORIGINAL_CLASS_ATTR, None)
         if original is None and type(module) in STOCK_OF:
             original = STOCK_OF[type(module)]
         if original is not None:

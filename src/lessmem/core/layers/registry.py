@@ -27,6 +27,7 @@ from lessmem.core.layers.zoo_classes import (
     LINEAR_SUBCLASSES,
     qualified_name,
     zoo_compressed_class,
+    zoo_exact_companion,
     zoo_stored_activation,
 )
 
@@ -79,3 +80,8 @@ def _is_plain_linear(module: nn.Module) -> bool:
 def stored_activation_of(module: nn.Module) -> type[nn.Module] | None:
     """The class ``act_storage`` swaps ``module`` to, or None when it is no GELU / SiLU."""
     return STORED_ACTIVATIONS.get(type(module)) or zoo_stored_activation(module)
+
+
+def exact_companion_of(module: nn.Module) -> type[nn.Module] | None:
+    """The exact companion ``compress`` swaps ``module`` to, or None."""
+    return EXACT_COMPANIONS.get(type(module)) or zoo_exact_companion(module)

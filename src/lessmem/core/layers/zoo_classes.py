@@ -14,6 +14,7 @@ from lessmem.core.layers.activations import (
     StoredFunctionalGELUTanh,
     StoredFunctionalSiLU,
 )
+from lessmem.core.layers.recomputed import RecomputedActivation, RecomputedGatedMLP
 from lessmem.core.layers.transposed_linear import CompressedTransposedLinear
 
 # nn.Linear subclasses whose forward is F.linear(x, weight, bias) (timm's only adds a TorchScript cast).
@@ -46,6 +47,15 @@ FUNCTIONAL_ACTIVATIONS = {
     "transformers.activations.SiLUActivation": (StoredFunctionalSiLU, lambda m: True),
 }
 
+# Exact companions: pure formulas of several ops, recomputed in backward from their inputs.
+RECOMPUTED = {
+    "transformers.activations.NewGELUActivation": RecomputedActivation,  # GPT-2's gelu_new
+    "transformers.activations.FastGELUActivation": RecomputedActivation,
+    "transformers.activations.QuickGELUActivation": RecomputedActivation,
+    "transformers.activations.AccurateGELUActivation": RecomputedActivation,
+    "transformers.models.llama.modeling_llama.LlamaMLP": RecomputedGatedMLP,
+}
+
 
 def zoo_compressed_class(module: nn.Module) -> type[nn.Module] | None:
     """The pooled-token class for a timm / HF linear, or None when ``module`` is not one."""
@@ -61,3 +71,8 @@ def zoo_stored_activation(module: nn.Module) -> type[nn.Module] | None:
     if known is None or not known[1](module):
         return None
     return known[0]
+
+
+def zoo_exact_companion(module: nn.Module) -> type[nn.Module] | None:
+    """The recomputing companion of a timm / HF module, or None."""
+    return RECOMPUTED.get(qualified_name(type(module)))
