@@ -210,3 +210,17 @@ def test_recomputing_companions_are_exact_and_save_less(name: str) -> None:
         assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), n
     x.requires_grad_(True)
     assert saved_bytes(companion, x) < saved_bytes(model, x)
+
+
+def test_checkpointed_model_runs_and_matches() -> None:
+    """Under activation checkpointing the saved tensors are packed by torch's hooks: the
+    kept-input check must not unpack them in forward (that would recompute, then fail in backward)."""
+    model, x, _ = build("hf_llama")
+    lessmem.compress(model, {"*": 2})
+    plain = forward_backward(model, x)
+    x = x.clone().requires_grad_(True)
+    torch.manual_seed(1)
+    out = torch.utils.checkpoint.checkpoint(run, model, x, use_reentrant=False)
+    out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+    assert torch.equal(out.detach(), plain[0])
+    assert torch.equal(x.grad, plain[1])
