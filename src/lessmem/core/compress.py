@@ -43,13 +43,17 @@ def compress(
     mapping: ordered ``{fnmatch pattern on named_modules() names: kernel}``; kernel is ``k``,
         ``[kh, kw]`` or ``{"kernel": k, "storage": "bf16"|"int8"}``. ``1`` keeps the stock layer
         (bit-identical). Conv2d inputs are pooled k×k; Linear inputs (..., tokens, features) are
-        pooled over k tokens.
-    exact_companions: also swap ReLU/ReLU6/Hardtanh for 1-bit-mask versions and MaxPool2d for
-        uint8-index versions. Exact, and needed for real savings: otherwise they keep the
-        full-size tensors that pooling was meant to drop.
+        pooled over k tokens (nn.Linear subclasses that keep Linear's forward, timm's Linear and HF
+        GPT-2's Conv1D too). Layers reading one tensor share its pooled copy; a Linear whose input
+        its producing op saves anyway (attention's output) keeps a reference to it instead.
+    exact_companions: also swap ReLU/ReLU6/Hardtanh for 1-bit-mask versions, MaxPool2d for
+        uint8-index versions, and HF's multi-op GELU formulas and Llama's gated MLP for versions
+        that recompute them in backward from their inputs. Exact, and needed for real savings:
+        otherwise they keep the full-size tensors that pooling was meant to drop.
     norm_storage: ``"native"`` (exact), ``"bf16"`` or ``"int8"`` storage for BatchNorm2d inputs,
         globally or as ``{pattern: storage}``. Lossy: the input gradient becomes approximate.
-    act_storage: the same for GELU / SiLU inputs (transformer MLPs). Lossy, opt-in.
+    act_storage: the same for GELU / SiLU inputs (transformer MLPs; torch's classes and timm / HF
+        classes computing F.gelu / F.silu). Lossy, opt-in.
     """
     uncompress(model)
     for name, spec in resolve_mapping(model, mapping).items():
