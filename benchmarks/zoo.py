@@ -60,8 +60,7 @@ def build(name: str, batch: int, tokens: int) -> tuple[nn.Module, torch.Tensor]:
         model = timm.create_model(name, pretrained=False)
         return model.train(), torch.randn(batch, 3, 224, 224)
     if name == "hf_vit":
-        model = transformers.ViTForImageClassification(transformers.ViTConfig(
-            hidden_size=192, num_hidden_layers=12, num_attention_heads=3, intermediate_size=768))
+        model = transformers.ViTForImageClassification(transformers.ViTConfig())  # ViT-B/16
         return model.train(), torch.randn(batch, 3, 224, 224)
     return hf_text_model(name).train(), torch.randint(0, 1000, (batch, tokens))
 

@@ -1,10 +1,12 @@
 """timm / HF transformers layer classes whose math lessmem knows, matched by qualified class name
-(the core imports neither library). Each is swapped only when its forward is the one read here:
-a class that computes something else under the same name would otherwise change the model."""
+(the core imports neither library). The forwards were read at timm 1.0 and transformers 4.40 to 5.x;
+where an instance can compute something else (an option picked at construction) a predicate
+checks it, and an instance that fails it is left alone: swapping it would change the model."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch.nn.functional as F
 from torch import nn
@@ -49,30 +51,35 @@ FUNCTIONAL_ACTIVATIONS = {
 
 # Exact companions: pure formulas of several ops, recomputed in backward from their inputs.
 RECOMPUTED = {
-    "transformers.activations.NewGELUActivation": RecomputedActivation,  # GPT-2's gelu_new
-    "transformers.activations.FastGELUActivation": RecomputedActivation,
-    "transformers.activations.QuickGELUActivation": RecomputedActivation,
-    "transformers.activations.AccurateGELUActivation": RecomputedActivation,
-    "transformers.models.llama.modeling_llama.LlamaMLP": RecomputedGatedMLP,
+    "transformers.activations.NewGELUActivation": (RecomputedActivation, lambda m: True),  # GPT-2's
+    "transformers.activations.FastGELUActivation": (RecomputedActivation, lambda m: True),
+    "transformers.activations.QuickGELUActivation": (RecomputedActivation, lambda m: True),
+    "transformers.activations.AccurateGELUActivation": (RecomputedActivation, lambda m: True),
+    # transformers < 4.45 slices the projections when pretraining_tp > 1 (other sums, other bits).
+    "transformers.models.llama.modeling_llama.LlamaMLP": (
+        RecomputedGatedMLP,
+        lambda m: getattr(m.config, "pretraining_tp", 1) == 1,
+    ),
 }
 
 
 def zoo_compressed_class(module: nn.Module) -> type[nn.Module] | None:
     """The pooled-token class for a timm / HF linear, or None when ``module`` is not one."""
-    name = qualified_name(type(module))
-    if name in TRANSPOSED_LINEARS:
-        return TRANSPOSED_LINEARS[name]
-    return None
+    return TRANSPOSED_LINEARS.get(qualified_name(type(module)))
 
 
 def zoo_stored_activation(module: nn.Module) -> type[nn.Module] | None:
     """The stored-input class for a timm / HF GELU / SiLU module, or None."""
-    known = FUNCTIONAL_ACTIVATIONS.get(qualified_name(type(module)))
-    if known is None or not known[1](module):
-        return None
-    return known[0]
+    return _checked(FUNCTIONAL_ACTIVATIONS, module)
 
 
 def zoo_exact_companion(module: nn.Module) -> type[nn.Module] | None:
     """The recomputing companion of a timm / HF module, or None."""
-    return RECOMPUTED.get(qualified_name(type(module)))
+    return _checked(RECOMPUTED, module)
+
+
+def _checked(known: dict[str, tuple[type[nn.Module], Callable[[nn.Module], bool]]],
+             module: nn.Module) -> type[nn.Module] | None:
+    """``module``'s swap in ``known`` (class name -> (class, predicate)) when its predicate holds."""
+    entry = known.get(qualified_name(type(module)))
+    return entry[0] if entry is not None and entry[1](module) else None
