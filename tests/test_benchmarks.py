@@ -65,3 +65,10 @@ def test_gpu_benchmark_asks_for_cpu_mode_without_cuda() -> None:
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu.py")], capture_output=True, text=True,
                           timeout=600, check=False)
     assert proc.returncode == 2 and "--device cpu" in proc.stderr
+
+
+def test_zoo_benchmark_prints_a_ratio_beside_the_issues() -> None:
+    pytest.importorskip("timm")
+    pytest.importorskip("transformers")
+    out = _run("zoo.py", "--models", "hf_bert", "--batch", "1", "--tokens", "32")
+    assert re.search(r"^\| hf_bert \| [\d.]+ \| 0\.\d{3} \| 0\.913 \| <= 0\.85 \|$", out, re.M), out

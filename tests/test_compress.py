@@ -522,3 +522,61 @@ def test_channels_last_model_matches_stock():
     assert torch.equal(out, stock_out)
     torch.testing.assert_close(gx, stock_gx, rtol=1e-4, atol=1e-6)
     assert grads["conv1.weight"].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_linear_readers_share_one_pooled_copy():
+    """q / k / v projections read one tensor: they keep one pooled copy of it, not three."""
+
+    class ThreeReaders(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = x * 2
+            return self.q(h) + self.k(h) + self.v(h)
+
+    model = lessmem.compress(ThreeReaders(), {"*": 2})
+    x = torch.randn(2, 16, 8, requires_grad=True)
+    assert lessmem.measure_memory(model, x).total_bytes == 2 * 8 * 8 * 4
+
+
+class AttentionThenProjection(nn.Module):
+    """scaled_dot_product_attention saves its output; the projection reads a reshaped view of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, q):
+        out = F.scaled_dot_product_attention(q, q, q)  # (batch, heads, tokens, 8)
+        return self.proj(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], 16))
+
+
+def test_linear_keeps_a_reference_to_an_input_saved_anyway():
+    """Pooling the projection's input would add a copy of a tensor attention keeps anyway: the
+    layer keeps a reference (no added bytes) and its weight gradient stays exact."""
+    # (batch, heads, tokens, 8) laid out (batch, tokens, heads, 8), as a projection's output viewed
+    # as heads: attention's output then comes in that layout, and the reshape below is a view of it.
+    q = torch.randn(2, 32, 2, 8).transpose(1, 2).requires_grad_(True)
+    model = AttentionThenProjection()
+    stock = lessmem.measure_memory(model, q).total_bytes
+    compressed = lessmem.compress(copy.deepcopy(model), {"*": 2})
+    assert lessmem.measure_memory(compressed, q).total_bytes == stock
+    model(q).sum().backward()
+    compressed(q).sum().backward()
+    assert torch.equal(model.proj.weight.grad, compressed.proj.weight.grad)
+
+
+def test_linear_subclasses_are_swapped_only_with_linears_forward():
+    class SameForward(nn.Linear):
+        pass
+
+    class OwnForward(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model = lessmem.compress(nn.Sequential(SameForward(4, 4), OwnForward(4, 4)), {"*": 2})
+    assert list(lessmem.compressed_layers(model)) == ["0"]
+    lessmem.uncompress(model)
+    assert [type(m) for m in model] == [SameForward, OwnForward]

@@ -3,30 +3,30 @@ the swapped modules keep their parameters, so ``state_dict`` keys never change."
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import nn
 
 from lessmem.core.functions import custom_ops  # noqa: F401  (registers torch.ops.lessmem.*)
+from lessmem.core.layers.conv import CompressedConv2d
+from lessmem.core.layers.dispatch import ORIGINAL_CLASS_ATTR
 from lessmem.core.layers.registry import (
-    COMPRESSIBLE,
-    EXACT_COMPANIONS,
     STOCK_OF,
-    STORED_ACTIVATIONS,
     STORED_NORMS,
+    compressed_class_of,
+    exact_companion_of,
+    stored_activation_of,
 )
 from lessmem.core.mapping import resolve_mapping
 from lessmem.core.patterns import first_match, unmatched
 from lessmem.core.spec import LayerSpec
 from lessmem.core.storage import check_storage
 
-_ORIGINAL = "_lessmem_original_class"
-
 
 def _swap(module: nn.Module, new_cls: type[nn.Module]) -> None:
-    if not hasattr(module, _ORIGINAL):
-        object.__setattr__(module, _ORIGINAL, type(module))
+    if not hasattr(module, ORIGINAL_CLASS_ATTR):
+        object.__setattr__(module, ORIGINAL_CLASS_ATTR, type(module))
     module.__class__ = new_cls
 
 
@@ -43,58 +43,68 @@ def compress(
     mapping: ordered ``{fnmatch pattern on named_modules() names: kernel}``; kernel is ``k``,
         ``[kh, kw]`` or ``{"kernel": k, "storage": "bf16"|"int8"}``. ``1`` keeps the stock layer
         (bit-identical). Conv2d inputs are pooled k×k; Linear inputs (..., tokens, features) are
-        pooled over k tokens.
-    exact_companions: also swap ReLU/ReLU6/Hardtanh for 1-bit-mask versions and MaxPool2d for
-        uint8-index versions. Exact, and needed for real savings: otherwise they keep the
-        full-size tensors that pooling was meant to drop.
+        pooled over k tokens (nn.Linear subclasses that keep Linear's forward, timm's Linear and HF
+        GPT-2's Conv1D too). Layers reading one tensor share its pooled copy; a Linear whose input
+        its producing op saves anyway (attention's output) keeps a reference to it instead.
+    exact_companions: also swap ReLU/ReLU6/Hardtanh for 1-bit-mask versions, MaxPool2d for
+        uint8-index versions, and HF's multi-op GELU formulas and Llama's gated MLP for versions
+        that recompute them in backward from their inputs. Exact, and needed for real savings:
+        otherwise they keep the full-size tensors that pooling was meant to drop.
     norm_storage: ``"native"`` (exact), ``"bf16"`` or ``"int8"`` storage for BatchNorm2d inputs,
         globally or as ``{pattern: storage}``. Lossy: the input gradient becomes approximate.
-    act_storage: the same for GELU / SiLU inputs (transformer MLPs). Lossy, opt-in.
+    act_storage: the same for GELU / SiLU inputs (transformer MLPs; torch's classes and timm / HF
+        classes computing F.gelu / F.silu). Lossy, opt-in.
     """
     uncompress(model)
     for name, spec in resolve_mapping(model, mapping).items():
         module = model.get_submodule(name)
         if spec.exact:
             continue
-        if spec.kernel[0] != spec.kernel[1] and type(module) in (nn.Linear, nn.MultiheadAttention):
+        compressed = compressed_class_of(module)
+        if spec.kernel[0] != spec.kernel[1] and compressed is not CompressedConv2d:
             raise ValueError(
                 f"layer {name!r} is {type(module).__name__}: it pools tokens, give one size, "
                 f"not {spec.kernel}"
             )
-        _swap(module, COMPRESSIBLE[type(module)])
+        _swap(module, compressed)
         module.lessmem_spec = spec
         module.lessmem_name = name
     if exact_companions:
         for module in model.modules():
-            if type(module) in EXACT_COMPANIONS:
-                _swap(module, EXACT_COMPANIONS[type(module)])
-    for option, rule, stored_class in (
-        ("norm_storage", norm_storage, STORED_NORMS),
-        ("act_storage", act_storage, STORED_ACTIVATIONS),
+            companion = exact_companion_of(module)
+            if companion is not None:
+                _swap(module, companion)
+    for option, rule, stored_class_of, kind in (
+        ("norm_storage", norm_storage, _stored_norm_of, "BatchNorm2d"),
+        ("act_storage", act_storage, stored_activation_of, "GELU/SiLU"),
     ):
-        for name, storage in _storage_choices(model, rule, tuple(stored_class), option).items():
+        for name, storage in _storage_choices(model, rule, stored_class_of, option, kind).items():
             module = model.get_submodule(name)
-            _swap(module, stored_class[type(module)])
+            _swap(module, stored_class_of(module))
             module.lessmem_storage = storage
     return model
+
+
+def _stored_norm_of(module: nn.Module) -> type[nn.Module] | None:
+    return STORED_NORMS.get(type(module))
 
 
 def _storage_choices(
     model: nn.Module,
     storage_rule: str | Mapping[str, str],
-    kinds: tuple[type[nn.Module], ...],
+    stored_class_of: Callable[[nn.Module], type[nn.Module] | None],
     option: str,
+    kind: str,
 ) -> dict[str, str]:
-    """Name -> lossy storage of each layer of ``kinds`` that ``storage_rule`` (one storage, or
-    ``{pattern: storage}``, first match wins) sends away from ``native``."""
-    norms = [n for n, m in model.named_modules() if type(m) in kinds]
+    """Name -> lossy storage of each layer with a ``stored_class_of`` that ``storage_rule`` (one
+    storage, or ``{pattern: storage}``, first match wins) sends away from ``native``."""
+    norms = [n for n, m in model.named_modules() if stored_class_of(m) is not None]
     rules = {"*": storage_rule} if isinstance(storage_rule, str) else dict(storage_rule)
     chosen: dict[str, str] = {}
     for storage in rules.values():
         check_storage(str(storage))
     for pattern in unmatched(rules, norms):
         if pattern != "*":
-            kind = "/".join(k.__name__ for k in kinds)
             raise ValueError(f"{option} pattern {pattern!r} matches no {kind}; have {norms}")
     for name in norms:
         pattern = first_match(name, rules)
@@ -106,7 +116,7 @@ def _storage_choices(
 def uncompress(model: nn.Module) -> nn.Module:
     """Restore every swapped layer to its stock class (in place); returns ``model``."""
     for module in model.modules():
-        original = module.__dict__.pop(_ORIGINAL, None)
+        original = module.__dict__.pop(ORIGINAL_CLASS_ATTR, None)
         if original is None and type(module) in STOCK_OF:
             original = STOCK_OF[type(module)]
         if original is not None:

@@ -27,6 +27,7 @@ _OURS = {
     "StoredBatchNormFunctionBackward": (True, "{storage} (approximate)", "BatchNorm input"),
     "PackedDropoutFunctionBackward": (True, "1-bit mask", "dropout mask"),
     "StoredActivationFunctionBackward": (True, "{storage} (approximate)", "GELU/SiLU input"),
+    "RecomputedFunctionBackward": (True, "inputs only, recomputed in backward", "multi-op formula inputs"),
 }
 _STOCK = {
     "ConvolutionBackward": "conv input: layer not compressed (k=1 or not in the map)",

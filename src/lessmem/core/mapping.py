@@ -7,18 +7,18 @@ from typing import Any
 
 from torch import nn
 
-from lessmem.core.layers.registry import COMPRESSIBLE
+from lessmem.core.layers.registry import COMPRESSED_CLASSES, compressed_class_of
 from lessmem.core.patterns import first_match, unmatched
 from lessmem.core.spec import LayerSpec, parse_spec
 
 
 def compressible_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """Layers a map can address (stock or already compressed Conv2d / Linear), by name."""
-    kinds = tuple(COMPRESSIBLE) + tuple(COMPRESSIBLE.values())
+    """Layers a map can address (Conv2d / Linear / attention, and timm / HF linears whose math is
+    known; stock or already compressed), by name."""
     return {
         name: m
         for name, m in model.named_modules()
-        if type(m) in kinds
+        if type(m) in COMPRESSED_CLASSES or compressed_class_of(m) is not None
     }
 
 

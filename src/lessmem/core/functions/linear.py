@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from lessmem.core.functions.pooled_input import save_pooled_input, saved_pooled_input
-from lessmem.core.functions.pooling import expand_tokens, pool_tokens
-from lessmem.core.storage import pack_tensor
+from lessmem.core.functions.pooling import expand_tokens, pooled_tokens_once
 
 
 def linear_grads(grad_out, x_hat, weight, needs):
@@ -26,7 +25,7 @@ class PooledLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, k, storage):
         out = F.linear(x, weight, bias)
-        packed = pack_tensor(pool_tokens(x.detach(), k), storage) if ctx.needs_input_grad[1] else ()
+        packed = pooled_tokens_once(x, k, storage) if ctx.needs_input_grad[1] else ()
         save_pooled_input(ctx, x, weight, bias, packed, storage)
         ctx.k = k
         return out

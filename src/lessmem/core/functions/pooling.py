@@ -3,6 +3,8 @@ the window sums the pooled-grid weight gradient is built from."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -60,20 +62,31 @@ def expand_tokens(pooled: Tensor, k: int, tokens: int) -> Tensor:
     return pooled.repeat_interleave(k, dim=-2)[..., :tokens, :]
 
 
-# Pooled copies of one input shared by several layers (ResNet's conv1 and downsample both read the
-# block input): the second layer reuses the first one's tensor, so it is stored once.
+# Pooled copies of one input shared by several layers (ResNet's conv1 and downsample read the block
+# input; q / k / v and gate / up projections read the same hidden states): the second layer reuses
+# the first one's tensor, so it is stored once.
 _CACHE_ATTR = "_lessmem_pooled"
 
 
 def pooled_once(x: Tensor, kernel: Pair, storage: Storage) -> tuple[Tensor, ...]:
+    """``pool_blocks`` of ``x`` packed in ``storage``, computed once per tensor version."""
+    return _once(x, ("blocks", kernel, storage), lambda: pack_tensor(pool_blocks(x.detach(), kernel), storage))
+
+
+def pooled_tokens_once(x: Tensor, k: int, storage: Storage) -> tuple[Tensor, ...]:
+    """``pool_tokens`` of ``x`` packed in ``storage``, computed once per tensor version."""
+    return _once(x, ("tokens", k, storage), lambda: pack_tensor(pool_tokens(x.detach(), k), storage))
+
+
+def _once(x: Tensor, kind: tuple, make: Callable[[], tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
     if torch.compiler.is_compiling():  # the compiler de-duplicates; tensor attributes would break graphs
-        return pack_tensor(pool_blocks(x.detach(), kernel), storage)
-    key = (kernel, storage, x._version)
+        return make()
+    key = (*kind, x._version)
     cache = getattr(x, _CACHE_ATTR, None)
     if cache is not None and key in cache:
         return cache[key]
-    packed = pack_tensor(pool_blocks(x.detach(), kernel), storage)
-    if cache is None or next(iter(cache))[2] != x._version:
+    packed = make()
+    if cache is None or next(iter(cache))[-1] != x._version:
         cache = {}
         setattr(x, _CACHE_ATTR, cache)
     cache[key] = packed

@@ -1,9 +1,11 @@
 """Activations that keep less for backward: ReLU / ReLU6 / Hardtanh with a 1-bit mask (exact),
-GELU / SiLU with a bf16 or int8 copy of their input (approximate, opt-in)."""
+GELU / SiLU (torch's, and timm / HF classes computing the same) with a bf16 or int8 copy of their
+input (approximate, opt-in)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lessmem.core.functions.masks import MaskedActivationFunction
@@ -65,3 +67,29 @@ class StoredSiLU(nn.SiLU):
         if not needs_saving(x, self) or self.inplace:
             return super().forward(x)
         return StoredActivationFunction.apply(x, "silu", "none", self.lessmem_storage)
+
+
+class StoredFunctionalActivation(nn.Module):
+    """A timm / HF activation module whose forward is ``F.gelu`` or ``F.silu`` (matched by class
+    name in the registry), keeping its input in ``lessmem_storage`` — approximate."""
+
+    lessmem_storage: Storage
+    kind: str
+    approximate: str = "none"
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not needs_saving(x, self):
+            return F.gelu(x, approximate=self.approximate) if self.kind == "gelu" else F.silu(x)
+        return StoredActivationFunction.apply(x, self.kind, self.approximate, self.lessmem_storage)
+
+
+class StoredFunctionalGELU(StoredFunctionalActivation):
+    kind = "gelu"
+
+
+class StoredFunctionalGELUTanh(StoredFunctionalActivation):
+    kind, approximate = "gelu", "tanh"
+
+
+class StoredFunctionalSiLU(StoredFunctionalActivation):
+    kind = "silu"

@@ -9,6 +9,8 @@ import torch
 from torch import Tensor, nn
 
 _warned: set[str] = set()
+# Where ``compress`` keeps a swapped module's own class (``uncompress`` restores it).
+ORIGINAL_CLASS_ATTR = "_lessmem_original_class"
 
 
 def needs_saving(x: Tensor, module: nn.Module) -> bool:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lessmem.core.functions.kept_input import kept_by_graph
 from lessmem.core.functions.linear import PooledLinearFunction
 from lessmem.core.functions.pooling import pool_tokens
 from lessmem.core.layers.dispatch import autocast_cast, needs_saving, warn_eager
@@ -15,21 +17,36 @@ from lessmem.core.storage import pack_tensor
 _eager_linear = torch.compiler.disable(PooledLinearFunction.apply)
 
 
+def keeps_stock_path(layer: nn.Module, x: Tensor) -> bool:
+    """Whether ``layer`` should run its stock linear: nothing will be saved, the input has no token
+    dim, or autograd keeps ``x`` full-size anyway (a reference then costs 0 bytes, a pooled copy
+    would add its own; not checked while compiling, where the graph is not built yet)."""
+    if x.dim() < 3 or not needs_saving(x, layer):
+        return True
+    return not torch.compiler.is_compiling() and kept_by_graph(x)
+
+
+def token_pooled_linear(layer: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear(x, weight, bias)`` keeping ``x`` as means over ``layer.lessmem_spec`` token groups."""
+    x, w, b = autocast_cast(x, weight, bias)
+    spec: LayerSpec = layer.lessmem_spec
+    k, storage = spec.kernel[0], spec.storage
+    if torch.compiler.is_compiling():
+        if storage == "int8":
+            warn_eager(layer, "int8 storage")
+            return _eager_linear(x, w, b, k, storage)
+        pooled = pack_tensor(pool_tokens(x.detach(), k), storage)[0]
+        return torch.ops.lessmem.linear_keep_pooled(x, pooled, w, b, k)
+    with torch.autocast(x.device.type, enabled=False):
+        return PooledLinearFunction.apply(x, w, b, k, storage)
+
+
 class CompressedLinear(nn.Linear):
     """Linear on (..., tokens, features) that saves its input pooled over groups of k tokens."""
 
     lessmem_spec: LayerSpec
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dim() < 3 or not needs_saving(x, self):
-            return super().forward(x)
-        x, w, b = autocast_cast(x, self.weight, self.bias)
-        k, storage = self.lessmem_spec.kernel[0], self.lessmem_spec.storage
-        if torch.compiler.is_compiling():
-            if storage == "int8":
-                warn_eager(self, "int8 storage")
-                return _eager_linear(x, w, b, k, storage)
-            pooled = pack_tensor(pool_tokens(x.detach(), k), storage)[0]
-            return torch.ops.lessmem.linear_keep_pooled(x, pooled, w, b, k)
-        with torch.autocast(x.device.type, enabled=False):
-            return PooledLinearFunction.apply(x, w, b, k, storage)
+        if keeps_stock_path(self, x):
+            return F.linear(x, self.weight, self.bias)
+        return token_pooled_linear(self, x, self.weight, self.bias)

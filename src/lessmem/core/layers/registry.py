@@ -1,11 +1,13 @@
 """Which stock layer ``compress`` swaps for which lessmem layer, and back.
 
-Only these exact types are swapped: a user subclass may override forward, and silently replacing
-that would change the model."""
+Only layers whose math is known are swapped: these exact types, nn.Linear subclasses that keep
+Linear's forward, and the timm / HF classes of ``zoo_classes``. A user subclass may override
+forward, and silently replacing that would change the model."""
 
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from lessmem.core.layers.activations import (
     PackedHardtanh,
@@ -20,6 +22,14 @@ from lessmem.core.layers.dropout import PackedDropout
 from lessmem.core.layers.linear import CompressedLinear
 from lessmem.core.layers.maxpool import CompactMaxPool2d
 from lessmem.core.layers.norm import StoredBatchNorm2d
+from lessmem.core.layers.transposed_linear import CompressedTransposedLinear
+from lessmem.core.layers.zoo_classes import (
+    LINEAR_SUBCLASSES,
+    qualified_name,
+    zoo_compressed_class,
+    zoo_exact_companion,
+    zoo_stored_activation,
+)
 
 # Layers a compression map addresses: their inputs are pooled for the weight gradient.
 COMPRESSIBLE: dict[type[nn.Module], type[nn.Module]] = {
@@ -44,3 +54,34 @@ STORED_ACTIVATIONS: dict[type[nn.Module], type[nn.Module]] = {
 STOCK_OF: dict[type[nn.Module], type[nn.Module]] = {
     v: k for k, v in {**COMPRESSIBLE, **EXACT_COMPANIONS, **STORED_NORMS, **STORED_ACTIVATIONS}.items()
 }
+
+COMPRESSED_CLASSES = (*COMPRESSIBLE.values(), CompressedTransposedLinear)
+
+
+def compressed_class_of(module: nn.Module) -> type[nn.Module] | None:
+    """The class a pooling spec swaps ``module`` to, or None when its math is not known."""
+    kind = type(module)
+    if kind in COMPRESSIBLE:
+        return COMPRESSIBLE[kind]
+    if _is_plain_linear(module):
+        return CompressedLinear
+    return zoo_compressed_class(module)
+
+
+def _is_plain_linear(module: nn.Module) -> bool:
+    # MultiheadAttention's out_proj is never called (the attention reads its weight directly);
+    # the swapped attention already covers it.
+    kind = type(module)
+    if not isinstance(module, nn.Linear) or kind is NonDynamicallyQuantizableLinear:
+        return False
+    return kind.forward is nn.Linear.forward or qualified_name(kind) in LINEAR_SUBCLASSES
+
+
+def stored_activation_of(module: nn.Module) -> type[nn.Module] | None:
+    """The class ``act_storage`` swaps ``module`` to, or None when it is no GELU / SiLU."""
+    return STORED_ACTIVATIONS.get(type(module)) or zoo_stored_activation(module)
+
+
+def exact_companion_of(module: nn.Module) -> type[nn.Module] | None:
+    """The exact companion ``compress`` swaps ``module`` to, or None."""
+    return EXACT_COMPANIONS.get(type(module)) or zoo_exact_companion(module)
