@@ -19,7 +19,7 @@ import pytest
 REPO = Path(__file__).parents[1]
 SKIP = shutil.ignore_patterns(".git", "outputs", "multirun", "wandb", "build", "*.egg-info", "__pycache__",
                               ".pytest_cache", ".ruff_cache", "docs", "analysis", "benchmarks", "tests",
-                              ".cache", ".whl", ".gl")
+                              ".cache", ".whl", ".gl", ".venv*", "venv")  # a user's venv in the checkout
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
