@@ -9,7 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from lessmem.experiment.compression import compression_map
+from lessmem.experiment.compression import resolve_compression
 from lessmem.experiment.data import build_datasets, build_loaders
 from lessmem.experiment.loggers import CsvLogger, Logger, build_logger
 from lessmem.experiment.optim import build_optimizer, build_scheduler
@@ -107,19 +107,18 @@ def test_compression_option_applies(name: str) -> None:
     import lessmem
 
     cfg = compose("train", overrides=[f"compression={name}"])
-    mapping = compression_map(cfg.compression)
+    choice = resolve_compression(cfg.compression)
     errors = []
     for model_name in MAP_TARGETS:  # the first model the map fits (every pattern must match)
         model = build_model(model_name, 10)
         try:
-            lessmem.compress(model, mapping, norm_storage=cfg.compression.norm_storage,
-                             exact_companions=cfg.compression.exact_companions)
+            choice.apply(model)
             break
         except ValueError as e:
             errors.append(f"{model_name}: {e}")
     else:
         pytest.fail(f"compression={name} fits none of {MAP_TARGETS}:\n" + "\n".join(errors))
-    if any(v != 1 for v in mapping.values()):
+    if any(v != 1 for v in choice.map.values()):
         assert lessmem.compressed_layers(model)
     x = torch.randn(2, 3, 32, 32)
     model(x).sum().backward()
@@ -129,7 +128,7 @@ def test_paper_map_uses_coarser_downsample() -> None:
     import lessmem
 
     cfg = compose("train", overrides=["compression=paper_resnet18"])
-    model = lessmem.compress(build_model("resnet18_cifar", 10), compression_map(cfg.compression))
+    model = lessmem.compress(build_model("resnet18_cifar", 10), resolve_compression(cfg.compression).map)
     layers = lessmem.compressed_layers(model)
     assert layers["layer2.0.downsample.0"].kernel == (4, 4)
     assert layers["conv1"].kernel == (2, 2) and layers["layer1.0.conv1"].kernel == (2, 2)
@@ -143,7 +142,7 @@ def test_map_file_overrides_map(tmp_path: Path, wrapped: bool) -> None:
     path = tmp_path / "map.yaml"
     path.write_text(text)
     cfg = compose("train", overrides=["compression=pool4", f"compression.map_file={path}"])
-    assert compression_map(cfg.compression) == {"layer1.*": 4, "*": 2}
+    assert resolve_compression(cfg.compression).map == {"layer1.*": 4, "*": 2}
 
 
 @pytest.mark.parametrize("name", options("optimizer"))
@@ -187,7 +186,7 @@ def test_experiment_option(name: str) -> None:
     base = compose("train")
     assert cfg != base
     build_model(cfg.model.name, cfg.model.num_classes)
-    compression_map(cfg.compression)
+    resolve_compression(cfg.compression)  # the map resolves and checks
     if name == "cpu_quick":
         assert cfg.epochs == 1 and cfg.dataset.train_subset == 2000 and cfg.logger.name == "disabled"
         assert cfg.model.name == "resnet20" and cfg.batch_size == 64

@@ -40,6 +40,11 @@ class CompressionChoice:
                            "norm_storage": self.norm_storage}, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:10]
 
+    def apply(self, net: nn.Module, mapping: dict[str, Any] | None = None) -> None:
+        """Compress ``net`` with ``mapping`` (default: this choice's map) and this choice's settings."""
+        compress(net, self.map if mapping is None else mapping, norm_storage=self.norm_storage,
+                 exact_companions=self.exact_companions)
+
     def record(self) -> dict[str, Any]:
         """What a run's metrics carry about its compression (tables and W&B label runs by it)."""
         return {"compression": self.name, "compression_hash": self.digest,
@@ -104,12 +109,6 @@ def resolve_compression(ccfg: DictConfig) -> CompressionChoice:
                              norm_storage=norm_storage, source=source)
 
 
-def compression_map(ccfg: DictConfig) -> dict[str, Any]:
-    """The pattern -> kernel map of a ``compression`` group (``map_file`` wins over ``map``)."""
-    return resolve_compression(ccfg).map
-
-
 def compress_from_config(net: nn.Module, mapping: dict[str, Any], cfg: DictConfig) -> None:
     """Apply ``mapping`` with the settings of the run's compression choice."""
-    choice = resolve_compression(cfg.compression)
-    compress(net, mapping, norm_storage=choice.norm_storage, exact_companions=choice.exact_companions)
+    resolve_compression(cfg.compression).apply(net, mapping)

@@ -7,7 +7,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from lessmem.experiment.compression import compress_from_config, resolve_compression
+from lessmem.experiment.compression import CompressionChoice, resolve_compression
 from lessmem.experiment.distributed import DistInfo
 from lessmem.models import build_model
 
@@ -19,14 +19,15 @@ def build_model_from_cfg(cfg: DictConfig) -> nn.Module:
     return build_model(name, int(num_classes), **model_cfg)
 
 
-def compress_as_configured(model: nn.Module, cfg: DictConfig) -> None:
-    """Apply the configured compression map; a map that does not fit the model is a ValueError
-    naming both."""
+def compress_as_configured(model: nn.Module, cfg: DictConfig) -> CompressionChoice:
+    """Apply the configured compression choice and return it; a map that does not fit the model
+    is a ValueError naming both."""
     choice = resolve_compression(cfg.compression)
     try:
-        compress_from_config(model, choice.map, cfg)
+        choice.apply(model)
     except (ValueError, TypeError) as e:
         raise ValueError(f"compression {choice.name!r} does not fit model {cfg.model.name!r}: {e}") from e
+    return choice
 
 
 def wrap_for_training(model: nn.Module, cfg: DictConfig, ddp: DistInfo,

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from lessmem.experiment.adaptive import adapt_compression
 from lessmem.experiment.checkpoint import checkpoint_to_resume, restore_checkpoint, save_checkpoint
 from lessmem.experiment.compose import open_struct
-from lessmem.experiment.compression import resolve_compression
+from lessmem.experiment.compression import CompressionChoice
 from lessmem.experiment.coverage_files import write_coverage
 from lessmem.experiment.data import build_loaders
 from lessmem.experiment.distributed import (
@@ -99,19 +99,19 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
         rank=ddp.rank, world_size=ddp.world_size,
     )
     stock = copy.deepcopy(model)
-    compress_as_configured(model, cfg)
+    choice = compress_as_configured(model, cfg)
     model.to(device)
     memory_format = torch.channels_last if cfg.get("channels_last") else torch.contiguous_format
     model.to(memory_format=memory_format)
     memory_batch = first_batch(val_loader, int(cfg.memory_batch))
     x_memory = memory_batch[0]
-    memory = memory_record(stock, model, memory_batch, device, cfg, warn=ddp.is_main)
+    memory = memory_record(stock, model, memory_batch, device, cfg, choice, warn=ddp.is_main)
     del stock
     if ddp.is_main:  # reports of a run in progress read it here, never from the pickled checkpoint
         atomic_write_text(json.dumps(memory, indent=2), out_dir / "memory.json")
     coverage = None
     if cfg.get("coverage") and ddp.is_main:
-        coverage = write_coverage(model, x_memory.to(device), out_dir, f"{cfg.model.name} / {memory['compression']}")
+        coverage = write_coverage(model, x_memory.to(device), out_dir, f"{cfg.model.name} / {choice.name}")
     net, model = wrap_for_training(model, cfg, ddp, device)
 
     criterion = nn.CrossEntropyLoss(label_smoothing=float(cfg.get("label_smoothing", 0.0)))
@@ -172,12 +172,12 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
 
 
 def memory_record(stock: nn.Module, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
-                  device: torch.device, cfg: DictConfig, warn: bool) -> dict[str, Any]:
+                  device: torch.device, cfg: DictConfig, choice: CompressionChoice,
+                  warn: bool) -> dict[str, Any]:
     """Saved bytes and whole-step peak of stock and compressed on one batch, labelled with the
     compression choice; a choice that keeps more than stock says so."""
     memory = measure(stock, model, batch, device, cfg.precision,
                      lambda net: build_optimizer(cfg.optimizer, net.parameters()))
-    choice = resolve_compression(cfg.compression)
     memory.update(choice.record())
     if warn and memory["ratio"] > 1:
         log.warning("lessmem: compression %r (%s) keeps %.3fx the stock bytes (%.2f vs %.2f MiB): it "
