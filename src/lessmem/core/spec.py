@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lessmem.core.storage import Storage, check_storage
+from lessmem.core.storage import STORAGES, Storage, check_storage
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,11 @@ class LayerSpec:
 
 
 def parse_spec(pattern: str, value: Any) -> LayerSpec:
-    """``2`` | ``[2, 4]`` | ``{"kernel": 2, "storage": "bf16"}`` -> LayerSpec, or a clear error."""
+    """``2`` | ``[2, 4]`` | ``{"kernel": 2, "storage": "int4"}`` | ``"2/int4"`` | ``"2x4/int4"`` |
+    ``"int4"`` (kernel 1) -> LayerSpec, or a clear error."""
     storage = "native"
+    if isinstance(value, str):
+        value = _parse_text(pattern, value)
     if isinstance(value, Mapping):
         unknown = set(value) - {"kernel", "storage"}
         if unknown or "kernel" not in value:
@@ -52,6 +55,24 @@ def parse_spec(pattern: str, value: Any) -> LayerSpec:
         if k < 1:
             raise ValueError(f"compression pattern {pattern!r}: kernel size {k} must be >= 1")
     return LayerSpec((items[0], items[1]), storage)
+
+
+def _parse_text(pattern: str, text: str) -> dict[str, Any]:
+    """``"int4"``, ``"2/int4"``, ``"2x4/bf16"``, ``"2"`` as the mapping form of a spec."""
+    kernel_text, _, storage = text.strip().rpartition("/") if "/" in text else ("", "", text.strip())
+    if not kernel_text and storage[:1].isdigit():
+        kernel_text, storage = storage, "native"
+    try:
+        sizes = [int(k) for k in kernel_text.lower().split("x")] if kernel_text else [1]
+    except ValueError:
+        raise ValueError(
+            f"compression pattern {pattern!r}: cannot read {text!r}; write k, 'k/storage', "
+            f"'khxkw/storage' or a storage alone (storages: {', '.join(STORAGES)})"
+        ) from None
+    if storage not in STORAGES:
+        raise ValueError(f"compression pattern {pattern!r}: unknown storage {storage!r} in {text!r}; "
+                         f"choose one of {', '.join(STORAGES)}")
+    return {"kernel": sizes[0] if len(sizes) == 1 else sizes, "storage": storage}
 
 
 def _is_sequence_config(value: Any) -> bool:

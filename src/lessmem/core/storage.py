@@ -1,17 +1,38 @@
-"""How a compressed tensor is stored: native dtype, bfloat16, or 8-bit affine codes per channel.
+"""How a saved tensor is stored: native dtype, bfloat16, or b-bit codes (b = 8, 4, 2, 1) with one
+(min, scale) pair per group of ``GROUP`` consecutive elements.
 
-Anything but ``"native"`` is lossy; it is the "combine with quantization" direction of the paper.
+Groups run over the tensor's memory order (for a channels-last image, over channels at a pixel;
+for a contiguous one, along a row of a channel plane; for tokens, along the features of a token):
+``GROUP`` consecutive elements, the last group padded with the last element. Each group keeps its
+min and scale as float32 (8 bytes per 128 elements, 0.5 bit per element). 8-bit codes round to
+nearest; 4, 2 and 1-bit codes round stochastically and unbiased (E[decoded] = x), with the noise
+of ``rounding``. Codes below 8 bits are packed 8 // b to a byte, the first code in the low bits.
+
+Anything but ``"native"`` is lossy.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
-Storage = Literal["native", "bf16", "int8"]
-STORAGES: tuple[str, ...] = ("native", "bf16", "int8")
+from lessmem.core.rounding import next_key, uniform_noise
+
+Storage = Literal["native", "bf16", "int8", "int4", "int2", "int1"]
+STORAGES: tuple[str, ...] = ("native", "bf16", "int8", "int4", "int2", "int1")
+BITS: dict[str, int] = {"int8": 8, "int4": 4, "int2": 2, "int1": 1}
+GROUP = 128
+RANGE_BYTES = 8  # float32 min and scale per group
+
+
+class TensorMeta(NamedTuple):
+    """What unpacking needs besides the packed tensors."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    channels_last: bool
 
 
 def check_storage(storage: str) -> Storage:
@@ -20,26 +41,76 @@ def check_storage(storage: str) -> Storage:
     return storage  # type: ignore[return-value]
 
 
-def _channel_dims(x: Tensor) -> list[int]:
-    # Per-channel ranges: dim 1 for images (N, C, H, W), the feature dim for tokens (..., F).
-    channel = 1 if x.dim() == 4 else x.dim() - 1
-    return [d for d in range(x.dim()) if d != channel]
+def is_stochastic(storage: str) -> bool:
+    return BITS.get(storage, 8) < 8
+
+
+def stored_bytes(numel: int, storage: str, element_size: int) -> int:
+    """Bytes ``pack_tensor`` keeps for a tensor of ``numel`` elements of ``element_size`` bytes."""
+    if storage == "native":
+        return numel * element_size
+    if storage == "bf16":
+        return numel * 2
+    groups = -(-numel // GROUP)
+    return groups * GROUP * BITS[storage] // 8 + groups * RANGE_BYTES
+
+
+def tensor_meta(x: Tensor) -> TensorMeta:
+    channels_last = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+    return TensorMeta(tuple(x.shape), x.dtype, channels_last)
+
+
+def _flat(x: Tensor, channels_last: bool) -> Tensor:
+    """x's elements in memory order (a view when x is dense in its layout)."""
+    return (x.permute(0, 2, 3, 1) if channels_last else x).reshape(-1)
 
 
 def pack_tensor(x: Tensor, storage: Storage) -> tuple[Tensor, ...]:
+    """The tensors that stand for ``x`` in ``storage``: (x,), (bf16 copy,), or (codes, min, scale)."""
     if storage == "native":
         return (x,)
     if storage == "bf16":
         return (x.to(torch.bfloat16),)
-    dims = _channel_dims(x)
-    lo = x.amin(dim=dims, keepdim=True).float()
-    scale = (x.amax(dim=dims, keepdim=True).float() - lo).clamp_min(1e-12) / 255.0
-    codes = ((x.float() - lo) / scale).round_().clamp_(0, 255).to(torch.uint8)
-    return codes, lo, scale
+    bits = BITS[storage]
+    flat = _flat(x, tensor_meta(x).channels_last)
+    pad = -flat.numel() % GROUP
+    if pad:
+        flat = torch.cat([flat, flat[-1:].expand(pad)])
+    groups = flat.view(-1, GROUP).float()
+    lo = groups.amin(dim=1, keepdim=True)
+    levels = (1 << bits) - 1
+    scale = (groups.amax(dim=1, keepdim=True) - lo).clamp_min_(1e-20) / levels
+    q = (groups - lo).div_(scale)
+    if bits < 8:
+        q.add_(uniform_noise(q.numel(), next_key(), q.device).view_as(q)).floor_()
+    else:
+        q.round_()
+    codes = q.clamp_(0, levels).to(torch.uint8)
+    if bits < 8:
+        per_byte = 8 // bits
+        codes = codes.view(-1, per_byte)
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+        codes = (codes << shifts).sum(dim=1, dtype=torch.uint8)
+    return codes.reshape(-1), lo.reshape(-1), scale.reshape(-1)
 
 
-def unpack_tensor(packed: tuple[Tensor, ...] | list[Tensor], storage: Storage, dtype: torch.dtype) -> Tensor:
-    if storage == "int8":
-        codes, lo, scale = packed
-        return (codes.float() * scale + lo).to(dtype)
-    return packed[0].to(dtype)
+def unpack_tensor(packed: tuple[Tensor, ...] | list[Tensor], storage: Storage, meta: TensorMeta) -> Tensor:
+    """The tensor ``pack_tensor`` stored, decoded to ``meta``'s shape, dtype and layout."""
+    if storage == "native":
+        return packed[0]
+    if storage == "bf16":
+        return packed[0].to(meta.dtype)
+    codes, lo, scale = packed
+    bits = BITS[storage]
+    if bits < 8:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+        codes = (codes.view(-1, 1) >> shifts) & ((1 << bits) - 1)
+    values = codes.reshape(-1, GROUP).float().mul_(scale.view(-1, 1)).add_(lo.view(-1, 1))
+    numel = 1
+    for s in meta.shape:
+        numel *= s
+    flat = values.reshape(-1)[:numel].to(meta.dtype)
+    if meta.channels_last:
+        n, c, h, w = meta.shape
+        return flat.view(n, h, w, c).permute(0, 3, 1, 2)
+    return flat.view(meta.shape)

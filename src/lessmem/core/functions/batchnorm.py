@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lessmem.core.storage import pack_tensor, unpack_tensor
+from lessmem.core.storage import pack_tensor, tensor_meta, unpack_tensor
 
 
 class StoredBatchNormFunction(torch.autograd.Function):
@@ -20,13 +20,13 @@ class StoredBatchNormFunction(torch.autograd.Function):
             x, weight, bias, running_mean, running_var, True, momentum, eps
         )
         ctx.save_for_backward(weight, mean, invstd, *pack_tensor(x.detach(), storage))
-        ctx.eps, ctx.storage, ctx.dtype = eps, storage, x.dtype
+        ctx.eps, ctx.storage, ctx.meta = eps, storage, tensor_meta(x)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         weight, mean, invstd, *packed = ctx.saved_tensors
-        x = unpack_tensor(packed, ctx.storage, ctx.dtype)
+        x = unpack_tensor(packed, ctx.storage, ctx.meta)
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]]
         gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
             grad.contiguous(), x, weight, None, None, mean, invstd, True, ctx.eps, mask

@@ -28,7 +28,7 @@ class PooledConv2dFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, stride, padding, dilation, groups, kernel, storage):
         out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
-        packed = pooled_once(x, kernel, storage) if ctx.needs_input_grad[1] else ()
+        packed = pooled_once(x, kernel, storage) if ctx.needs_input_grad[1] else None
         save_pooled_input(ctx, x, weight, bias, packed, storage)
         ctx.conv, ctx.kernel = (stride, padding, dilation, groups), kernel
         return out

@@ -25,7 +25,7 @@ class PooledLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, k, storage):
         out = F.linear(x, weight, bias)
-        packed = pooled_tokens_once(x, k, storage) if ctx.needs_input_grad[1] else ()
+        packed = pooled_tokens_once(x, k, storage) if ctx.needs_input_grad[1] else None
         save_pooled_input(ctx, x, weight, bias, packed, storage)
         ctx.k = k
         return out

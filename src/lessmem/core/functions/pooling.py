@@ -11,13 +11,15 @@ from torch import Tensor
 
 from lessmem.core.kernels import cpu as cpu_kernels
 from lessmem.core.layout import format_of, is_channels_last, is_dense
-from lessmem.core.storage import Storage, pack_tensor
+from lessmem.core.storage import Storage, TensorMeta, pack_tensor, tensor_meta
 
 Pair = tuple[int, int]
 
 
 def pool_blocks(x: Tensor, kernel: Pair) -> Tensor:
     """k×k block means. ``ceil_mode`` keeps partial edge blocks, averaged over their true size."""
+    if kernel == (1, 1):
+        return x  # kernel 1: the input itself (a quantized storage then packs it whole)
     h, w = x.shape[-2:]
     if x.dim() == 4 and h % kernel[0] == 0 and w % kernel[1] == 0:
         if is_dense(x) and cpu_kernels.enabled_for(x):
@@ -53,6 +55,8 @@ def expand_blocks(pooled: Tensor, kernel: Pair, size: Pair) -> Tensor:
 
 def pool_tokens(x: Tensor, k: int) -> Tensor:
     """Means of groups of ``k`` consecutive tokens along dim -2 (partial last group kept)."""
+    if k == 1:
+        return x
     return F.avg_pool1d(x.transpose(-1, -2).reshape(-1, 1, x.shape[-2]), k, k, ceil_mode=True).view(
         *x.shape[:-2], x.shape[-1], -1
     ).transpose(-1, -2)
@@ -68,17 +72,24 @@ def expand_tokens(pooled: Tensor, k: int, tokens: int) -> Tensor:
 _CACHE_ATTR = "_lessmem_pooled"
 
 
-def pooled_once(x: Tensor, kernel: Pair, storage: Storage) -> tuple[Tensor, ...]:
-    """``pool_blocks`` of ``x`` packed in ``storage``, computed once per tensor version."""
-    return _once(x, ("blocks", kernel, storage), lambda: pack_tensor(pool_blocks(x.detach(), kernel), storage))
+Packed = tuple[tuple[Tensor, ...], TensorMeta]
 
 
-def pooled_tokens_once(x: Tensor, k: int, storage: Storage) -> tuple[Tensor, ...]:
-    """``pool_tokens`` of ``x`` packed in ``storage``, computed once per tensor version."""
-    return _once(x, ("tokens", k, storage), lambda: pack_tensor(pool_tokens(x.detach(), k), storage))
+def _packed(pooled: Tensor, storage: Storage) -> Packed:
+    return pack_tensor(pooled, storage), tensor_meta(pooled)
 
 
-def _once(x: Tensor, kind: tuple, make: Callable[[], tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
+def pooled_once(x: Tensor, kernel: Pair, storage: Storage) -> Packed:
+    """``pool_blocks`` of ``x`` packed in ``storage`` (and how to unpack it), once per tensor version."""
+    return _once(x, ("blocks", kernel, storage), lambda: _packed(pool_blocks(x.detach(), kernel), storage))
+
+
+def pooled_tokens_once(x: Tensor, k: int, storage: Storage) -> Packed:
+    """``pool_tokens`` of ``x`` packed in ``storage`` (and how to unpack it), once per tensor version."""
+    return _once(x, ("tokens", k, storage), lambda: _packed(pool_tokens(x.detach(), k), storage))
+
+
+def _once(x: Tensor, kind: tuple, make: Callable[[], Packed]) -> Packed:
     if torch.compiler.is_compiling():  # the compiler de-duplicates; tensor attributes would break graphs
         return make()
     key = (*kind, x._version)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lessmem.core.storage import pack_tensor, unpack_tensor
+from lessmem.core.storage import pack_tensor, tensor_meta, unpack_tensor
 
 
 class StoredActivationFunction(torch.autograd.Function):
@@ -19,12 +19,12 @@ class StoredActivationFunction(torch.autograd.Function):
     def forward(ctx, x, kind, approximate, storage):
         out = F.gelu(x, approximate=approximate) if kind == "gelu" else F.silu(x)
         ctx.save_for_backward(*pack_tensor(x.detach(), storage))
-        ctx.kind, ctx.approximate, ctx.storage, ctx.dtype = kind, approximate, storage, x.dtype
+        ctx.kind, ctx.approximate, ctx.storage, ctx.meta = kind, approximate, storage, tensor_meta(x)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x = unpack_tensor(ctx.saved_tensors, ctx.storage, ctx.dtype)
+        x = unpack_tensor(ctx.saved_tensors, ctx.storage, ctx.meta)
         if ctx.kind == "gelu":
             gx = torch.ops.aten.gelu_backward(grad, x, approximate=ctx.approximate)
         else:

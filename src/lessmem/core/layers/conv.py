@@ -32,8 +32,8 @@ class CompressedConv2d(nn.Conv2d):
         spec = self.lessmem_spec
         args = (x, w, b, self.stride, padding, self.dilation, self.groups, spec.kernel, spec.storage)
         if torch.compiler.is_compiling():
-            if spec.storage == "int8":
-                warn_eager(self, "int8 storage")
+            if spec.storage not in ("native", "bf16"):
+                warn_eager(self, f"{spec.storage} storage")
                 return _eager_conv(*args)
             pooled = torch.ops.lessmem.pool_blocks(x.detach(), list(spec.kernel), spec.storage)
             return torch.ops.lessmem.conv2d_keep_pooled(

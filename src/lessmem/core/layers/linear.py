@@ -32,8 +32,8 @@ def token_pooled_linear(layer: nn.Module, x: Tensor, weight: Tensor, bias: Tenso
     spec: LayerSpec = layer.lessmem_spec
     k, storage = spec.kernel[0], spec.storage
     if torch.compiler.is_compiling():
-        if storage == "int8":
-            warn_eager(layer, "int8 storage")
+        if storage not in ("native", "bf16"):
+            warn_eager(layer, f"{storage} storage")
             return _eager_linear(x, w, b, k, storage)
         pooled = pack_tensor(pool_tokens(x.detach(), k), storage)[0]
         return torch.ops.lessmem.linear_keep_pooled(x, pooled, w, b, k)
