@@ -26,16 +26,17 @@ class Job:
     argv: list[str]
     done: Path  # the file whose existence means the job is complete
     deps: list[str] = field(default_factory=list)
+    needs: list[Path] = field(default_factory=list)  # files that must exist before it starts (maps)
     proc: subprocess.Popen | None = None
     log: Path | None = None
 
 
 def train_job(out: Path, name: str, seed: int, overrides: list[str], common: list[str],
-              deps: list[str] | None = None, keep: bool = False) -> Job:
+              deps: list[str] | None = None, keep: bool = False, needs: list[Path] | None = None) -> Job:
     run_dir = out / "runs" / name / f"seed{seed}"
     argv = [sys.executable, str(HERE / "jobs.py"), "_train", str(run_dir), "1" if keep else "0",
             *common, *overrides, f"seed={seed}"]
-    return Job(f"{name}/seed{seed}", argv, run_dir / "metrics.json", deps or [])
+    return Job(f"{name}/seed{seed}", argv, run_dir / "metrics.json", deps or [], needs or [])
 
 
 def _train(run_dir: str, keep: str, overrides: list[str]) -> None:
@@ -83,7 +84,7 @@ def schedule(jobs: list[Job], workers: int, threads: int, out: Path,
                 failed.add(j.name)
                 print(f"skipped (dependency failed): {j.name}", flush=True)
                 continue
-            if not all(d in finished for d in j.deps):
+            if not all(d in finished for d in j.deps) or not all(f.exists() for f in j.needs):
                 continue
             argv = resolve(j.argv) if resolve else j.argv
             j.log = logs / (j.name.replace("/", "_") + ".log")

@@ -1,0 +1,104 @@
+"""Maps that win at a memory budget (issue 19, item 4): resnet20 on CIFAR-10, every configuration on
+the same seeds, at three budgets of total saved bytes: that of uniform 2x2, of uniform 4x4, and
+0.15x stock.
+
+Configurations (map files in ``<out>/maps/<config>.yaml``; the uniform ones are written here, the
+chosen ones by ``lessmem-sensitivity`` / the menu knapsack and copied in): at every budget the
+uniform options that fit it and the criterion's map; stock once. A configuration whose map file
+does not exist yet waits for it (the driver polls), so the chosen maps can be added while the
+uniform runs train.
+
+    python analysis/budget_proof.py --out docs/results/budget_proof --workers 2
+    python analysis/budget_proof.py --out docs/results/budget_proof --configs pool4 int8_bn8 --seeds 0 1 2
+
+Schedule: the issue-12 proof's (4 epochs on a balanced 20,000-image subset, batch 128, SGD lr 0.1
+Nesterov, cosine, full 10k test set); ``stock`` and ``pool2`` runs of that proof can be reused
+with ``--reuse docs/results/proof`` (same schedule and seeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import yaml
+from jobs import REPO, Job, schedule, train_job
+
+# config -> (budget it belongs to, conv spec, BatchNorm storage); None: map file comes from elsewhere
+CONFIGS: dict[str, tuple[str, str | None, str | None]] = {
+    "stock": ("all", None, None),
+    "pool2": ("2x2", "2", "native"),
+    "chosen_2x2": ("2x2", None, None),
+    "pool4": ("4x4", "4", "native"),
+    "pool2_int4": ("4x4", "2/int4", "native"),
+    "int8_bn8": ("4x4", "int8", "int8"),
+    "chosen_4x4": ("4x4", None, None),
+    "pool2_int4_bn4": ("0.15", "2/int4", "int4"),
+    "int2_bn4": ("0.15", "int2", "int4"),
+    "chosen_0.15": ("0.15", None, None),
+}
+ORDER = ["pool4", "int8_bn8", "chosen_4x4", "pool2_int4", "chosen_0.15", "pool2_int4_bn4", "int2_bn4",
+         "chosen_2x2", "stock", "pool2"]
+
+
+def map_file(out: Path, config: str) -> Path:
+    return out / "maps" / f"{config}.yaml"
+
+
+def write_uniform_maps(out: Path) -> None:
+    (out / "maps").mkdir(parents=True, exist_ok=True)
+    for config, (_, conv, norm) in CONFIGS.items():
+        path = map_file(out, config)
+        if conv is not None and not path.exists():
+            body = {"name": config, "exact_companions": True, "norm_storage": norm, "map": {"*": conv}}
+            path.write_text(yaml.safe_dump(body, sort_keys=False))
+
+
+def reuse_runs(out: Path, source: Path, configs: list[str], seeds: list[int]) -> None:
+    """Copy finished runs of the same schedule and seeds (metrics only) from another proof."""
+    for config in configs:
+        for seed in seeds:
+            src, dest = source / "runs" / config / f"seed{seed}", out / "runs" / config / f"seed{seed}"
+            if (src / "metrics.json").exists() and not dest.exists():
+                shutil.copytree(src, dest, ignore=shutil.ignore_patterns("*.pt"))
+                (dest / "REUSED").write_text(f"copied from {src}\n")
+
+
+def jobs_for(out: Path, args: argparse.Namespace) -> list[Job]:
+    common = ["model=resnet20", "dataset=cifar10", "logger=csv", "device=cpu", f"epochs={args.epochs}",
+              "batch_size=128", "channels_last=true", "memory_batch=32",
+              f"dataset.train_subset={args.train_subset}"]
+    jobs = []
+    for seed in args.seeds:  # seed-major: a partial proof still pairs every configuration
+        for config in [c for c in ORDER if c in args.configs]:
+            if config == "stock":
+                jobs.append(train_job(out, "stock", seed, ["compression=none"], common))
+                continue
+            path = map_file(out, config)
+            jobs.append(train_job(out, config, seed, ["compression=pool2", f"compression.map_file={path}",
+                                                      f"compression.name={config}"], common, needs=[path]))
+    return jobs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "budget_proof")
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--train-subset", type=int, default=20000)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    p.add_argument("--configs", nargs="+", default=ORDER, choices=ORDER)
+    p.add_argument("--reuse", type=Path, default=None,
+                   help="a proof directory with stock / pool2 runs of the same schedule and seeds")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    out = args.out.resolve()
+    write_uniform_maps(out)
+    if args.reuse:
+        reuse_runs(out, args.reuse.resolve(), ["stock", "pool2"], args.seeds)
+    schedule(jobs_for(out, args), args.workers, args.threads, out)
+
+
+if __name__ == "__main__":
+    main()
