@@ -1,0 +1,148 @@
+"""Summary of analysis/budget_proof.py runs: per budget, every configuration's final top-1 over the
+same seeds, paired differences (same seed) against stock and against the best uniform option that
+fits, a paired t-test, and the memory-vs-accuracy frontier plot. Writes ``<out>/summary.md``,
+``summary.json`` and ``frontier.png``.
+
+    python analysis/budget_summary.py docs/results/budget_proof
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+from budget_proof import CONFIGS
+
+BUDGETS = {"2x2": "uniform 2x2's bytes", "4x4": "uniform 4x4's bytes", "0.15": "0.15x stock"}
+
+
+def load(out: Path) -> dict[str, dict[int, dict]]:
+    """config -> seed -> metrics.json of its finished runs."""
+    runs: dict[str, dict[int, dict]] = {}
+    for config in CONFIGS:
+        for path in sorted((out / "runs" / config).glob("seed*/metrics.json")):
+            runs.setdefault(config, {})[int(path.parent.name[4:])] = json.loads(path.read_text())
+    return runs
+
+
+def paired_t(diffs: list[float]) -> tuple[float, float]:
+    """(t, two-sided p) of the mean of paired differences (scipy for p when installed)."""
+    if len(diffs) < 2:
+        return float("nan"), float("nan")
+    sd = statistics.stdev(diffs)
+    t = statistics.fmean(diffs) / (sd / math.sqrt(len(diffs))) if sd else math.copysign(math.inf, statistics.fmean(diffs))
+    try:
+        from scipy import stats
+    except ImportError:
+        return t, float("nan")
+    return t, float(2 * stats.t.sf(abs(t), len(diffs) - 1)) if math.isfinite(t) else 0.0
+
+
+def budget_limit(runs: dict[str, dict[int, dict]], budget: str) -> float:
+    """The budget as a saved-bytes ratio: measured for the uniform pooling configurations."""
+    if budget == "0.15":
+        return 0.15
+    ref = {"2x2": "pool2", "4x4": "pool4"}[budget]
+    ratios = [r["ratio"] for r in runs.get(ref, {}).values()]
+    return max(ratios) if ratios else float("nan")
+
+
+def summarize(out: Path) -> dict:
+    runs = load(out)
+    stock = runs.get("stock", {})
+    result: dict = {"budgets": {}}
+    for budget in BUDGETS:
+        limit = budget_limit(runs, budget)
+        rows = []
+        for config, (home, conv, _) in CONFIGS.items():
+            if home != budget or config not in runs:
+                continue
+            seeds = sorted(runs[config])
+            top1 = [100 * runs[config][s]["final_top1"] for s in seeds]
+            ratio = max(runs[config][s]["ratio"] for s in seeds)
+            rows.append({"config": config, "uniform": conv is not None, "seeds": seeds, "top1": top1,
+                         "mean": statistics.fmean(top1), "std": statistics.stdev(top1) if len(top1) > 1 else math.nan,
+                         "ratio": ratio, "fits": ratio <= limit + 1e-9})
+        uniform = [r for r in rows if r["uniform"] and r["fits"]]
+        best_uniform = max(uniform, key=lambda r: r["mean"]) if uniform else None
+        for row in rows:
+            row["vs_stock"] = _paired(row, {s: 100 * m["final_top1"] for s, m in stock.items()})
+            if best_uniform is not None and row is not best_uniform:
+                ref = dict(zip(best_uniform["seeds"], best_uniform["top1"], strict=True))
+                row["vs_best_uniform"] = {**_paired(row, ref), "reference": best_uniform["config"]}
+        result["budgets"][budget] = {"limit": limit, "rows": rows,
+                                     "best_uniform": best_uniform["config"] if best_uniform else None}
+    if stock:
+        top1 = [100 * m["final_top1"] for m in stock.values()]
+        result["stock"] = {"seeds": sorted(stock), "mean": statistics.fmean(top1),
+                           "std": statistics.stdev(top1) if len(top1) > 1 else math.nan}
+    (out / "summary.json").write_text(json.dumps(result, indent=2))
+    (out / "summary.md").write_text(markdown(result))
+    plot_frontier(result, out / "frontier.png")
+    return result
+
+
+def _paired(row: dict, reference: dict[int, float]) -> dict:
+    common = [s for s in row["seeds"] if s in reference]
+    diffs = [row["top1"][row["seeds"].index(s)] - reference[s] for s in common]
+    t, p = paired_t(diffs)
+    return {"seeds": common, "mean_diff": statistics.fmean(diffs) if diffs else math.nan, "t": t, "p": p,
+            "diffs": diffs}
+
+
+def _fmt(v: float, spec: str = "+.2f") -> str:
+    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def markdown(result: dict) -> str:
+    lines = ["# Maps at a memory budget (resnet20, CIFAR-10)", ""]
+    if "stock" in result:
+        s = result["stock"]
+        lines += [f"Stock: {s['mean']:.2f} ± {_fmt(s['std'], '.2f')} top-1 over seeds {s['seeds']}.", ""]
+    for budget, data in result["budgets"].items():
+        lines += [f"## Budget: {BUDGETS[budget]} (saved-bytes ratio <= {data['limit']:.3f})", "",
+                  "| config | saved ratio | fits | seeds | top-1 mean ± std | per seed | vs stock (paired) "
+                  "| vs best uniform (paired) | p |",
+                  "|---|---:|---|---|---:|---|---:|---:|---:|"]
+        for r in data["rows"]:
+            vs_u = r.get("vs_best_uniform", {})
+            lines.append(
+                f"| {r['config']} | {r['ratio']:.3f} | {'yes' if r['fits'] else 'no'} | {len(r['seeds'])} | "
+                f"{r['mean']:.2f} ± {_fmt(r['std'], '.2f')} | {', '.join(f'{v:.2f}' for v in r['top1'])} | "
+                f"{_fmt(r['vs_stock']['mean_diff'])} | {_fmt(vs_u.get('mean_diff', math.nan))} | "
+                f"{_fmt(vs_u.get('p', math.nan), '.3f')} |")
+        lines += ["", f"Best uniform option that fits: {data['best_uniform']}.", ""]
+    return "\n".join(lines) + "\n"
+
+
+def plot_frontier(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if "stock" in result:
+        s = result["stock"]
+        ax.errorbar([1.0], [s["mean"]], yerr=[s["std"]], fmt="k*", ms=10, label="stock")
+    for budget, data in result["budgets"].items():
+        for r in data["rows"]:
+            style = "o" if r["uniform"] else "D"
+            ax.errorbar([r["ratio"]], [r["mean"]], yerr=[0 if math.isnan(r["std"]) else r["std"]], fmt=style,
+                        label=f"{r['config']} ({budget})", capsize=3)
+        if not math.isnan(data["limit"]):
+            ax.axvline(data["limit"], color="grey", lw=0.6, ls=":")
+    ax.set_xlabel("saved-for-backward bytes / stock (batch 32)")
+    ax.set_ylabel("final top-1 (%), mean ± std over seeds")
+    ax.set_title("resnet20 CIFAR-10: memory vs accuracy (dotted: budgets)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    summarize(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "docs" / "results" / "budget_proof")
