@@ -1,0 +1,135 @@
+"""Which criterion predicts accuracy? Reads the runs of analysis/criterion_check.py and a storage-menu
+measurement of the same model (``lessmem-sensitivity ... sensitivity.out=<out>/menu``, stock weights
+after one epoch of the same schedule), scores every trained map with every criterion and ranks:
+Spearman's rho between final top-1 and each criterion (sign chosen so that +1 = perfect
+prediction), with the saved-bytes ratio itself as the baseline a criterion must beat. Writes
+``<out>/summary.md``, ``summary.json`` and ``scatter.png``.
+
+    python analysis/criterion_summary.py docs/results/criterion_check
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from lessmem.layer_sensitivity import MenuResult, read_map_yaml
+
+# criterion -> (label, +1 if larger predicts higher accuracy, log axis)
+CRITERIA = {
+    "grad_error": ("whole-gradient relative error", -1, True),
+    "loss_change": ("first-order loss change", -1, True),
+    "cosine": ("mean per-layer weight-gradient cosine", +1, False),
+    "ratio": ("saved-bytes ratio (baseline: bytes alone)", +1, False),
+}
+
+
+def kind_of(name: str) -> str:
+    if name == "stock":
+        return "stock"
+    if name.startswith("random"):
+        return "random"
+    if name.startswith(("grad_error", "cosine", "loss_change")):
+        return "chosen"
+    return "uniform"
+
+
+def ranks(values: list[float]) -> list[float]:
+    """Average ranks (ties share their mean rank)."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    var = math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
+    return cov / var if var else float("nan")
+
+
+def load_rows(out: Path, menu: MenuResult) -> list[dict]:
+    rows = []
+    stock = json.loads((out / "runs" / "stock" / "seed0" / "metrics.json").read_text())
+    rows.append({"map": "stock", "kind": "stock", "top1": 100 * stock["final_top1"], "ratio": 1.0,
+                 "predicted_ratio": menu.stock_bytes / menu.stock_bytes,
+                 "grad_error": 0.0, "loss_change": 0.0, "cosine": 1.0})
+    for path in sorted((out / "maps").glob("*.yaml")):
+        metrics = out / "runs" / path.stem / "seed0" / "metrics.json"
+        if not metrics.exists():
+            continue
+        m = json.loads(metrics.read_text())
+        mapping, norm, act = read_map_yaml(path)
+        score = menu.score(mapping, norm, act)
+        rows.append({"map": path.stem, "kind": kind_of(path.stem), "top1": 100 * m["final_top1"],
+                     "ratio": m["ratio"], "predicted_ratio": score["ratio"],
+                     **{c: score[c] for c in ("grad_error", "loss_change", "cosine")}})
+    return rows
+
+
+def summarize(out: Path) -> dict:
+    menu = MenuResult.load(out / "menu" / "menu.json")
+    rows = load_rows(out, menu)
+    top1 = [r["top1"] for r in rows]
+    rho = {c: sign * spearman([r[c] for r in rows], top1) for c, (_, sign, _) in CRITERIA.items()}
+    best = max((c for c in rho if c != "ratio"), key=lambda c: rho[c])
+    result = {"maps": len(rows), "rows": rows, "spearman": rho, "best": best, "meta": menu.meta}
+    (out / "summary.json").write_text(json.dumps(result, indent=2))
+    (out / "summary.md").write_text(markdown(result))
+    plot(rows, rho, out / "scatter.png")
+    return result
+
+
+def markdown(result: dict) -> str:
+    rho = result["spearman"]
+    lines = [f"{result['maps']} maps (stock included), resnet20 on CIFAR-10, one seed each, the same short schedule; "
+             "criteria predicted from one storage-menu measurement of the stock model after one epoch.", "",
+             "| criterion | Spearman rho with final top-1 (+1 = perfect) |", "|---|---:|"]
+    lines += [f"| {CRITERIA[c][0]} | {rho[c]:+.3f} |" for c in CRITERIA]
+    lines += ["", f"Best predictor: **{CRITERIA[result['best']][0]}**.", "",
+              "| map | kind | final top-1 | saved ratio (measured) | predicted | grad_error | loss_change | cosine |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(result["rows"], key=lambda r: -r["top1"]):
+        lines.append(f"| {r['map']} | {r['kind']} | {r['top1']:.2f} | {r['ratio']:.3f} | {r['predicted_ratio']:.3f} | "
+                     f"{r['grad_error']:.3g} | {r['loss_change']:.3g} | {r['cosine']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], rho: dict[str, float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"stock": "black", "uniform": "tab:blue", "random": "tab:orange", "chosen": "tab:green"}
+    fig, axes = plt.subplots(1, len(CRITERIA), figsize=(4 * len(CRITERIA), 3.6), sharey=True)
+    for ax, (c, (label, _, log)) in zip(axes, CRITERIA.items(), strict=True):
+        for kind, color in colors.items():
+            pts = [(r[c], r["top1"]) for r in rows if r["kind"] == kind and (not log or r[c] > 0)]
+            if pts:
+                ax.scatter(*zip(*pts, strict=True), s=22, color=color, label=kind)
+        if log:
+            ax.set_xscale("log")
+        ax.set_xlabel(label, fontsize=8)
+        ax.set_title(f"Spearman {rho[c]:+.2f}", fontsize=9)
+    axes[0].set_ylabel("final top-1 (%)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("resnet20 CIFAR-10: does the criterion predict accuracy? (log axes omit exact maps)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    summarize(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "docs" / "results" / "criterion_check")

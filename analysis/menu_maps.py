@@ -1,0 +1,53 @@
+"""Maps chosen from a storage-menu measurement (``lessmem-sensitivity`` writes ``menu.json``): the
+least-criterion map within each budget, over the whole menu or the kernel-only one (pooling with
+native storage, BatchNorm inputs kept exact: the paper's question with the new criterion).
+
+    python analysis/menu_maps.py docs/results/criterion_check/menu/menu.json --out maps/ \
+        --maps grad_error:0.15 grad_error:0.3 cosine:0.3 grad_error:0.547:kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from pathlib import Path
+
+from lessmem.layer_sensitivity import MenuResult, write_map_yaml
+
+
+def kernel_only(result: MenuResult) -> MenuResult:
+    """The same measurement restricted to native-storage options."""
+    narrowed = copy.deepcopy(result)
+    for item in narrowed.items:
+        keep = [j for j, option in enumerate(item.options) if option == "native" or "/" not in option
+                and not option.startswith(("bf16", "int"))]
+        item.options = [item.options[j] for j in keep]
+        item.nbytes = [item.nbytes[j] for j in keep]
+        item.criteria = {name: [[row[j] for j in keep] for row in rows] for name, rows in item.criteria.items()}
+    return narrowed
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("menu", type=Path, help="menu.json of lessmem-sensitivity")
+    p.add_argument("--out", type=Path, required=True, help="folder for the map files")
+    p.add_argument("--maps", nargs="+", required=True,
+                   help="criterion:budget[:kernels], budget as a fraction of the stock saved bytes")
+    args = p.parse_args()
+    result = MenuResult.load(args.menu)
+    for spec in args.maps:
+        criterion, budget, *menu = spec.split(":")
+        source = kernel_only(result) if menu == ["kernels"] else result
+        choice = source.make_map(float(budget), criterion)
+        score = result.score(choice.map, choice.norm_storage, choice.act_storage)
+        name = f"{criterion}_{budget}{'_kernels' if menu else ''}"
+        comment = (f"least {criterion} within {budget} x stock saved bytes ({'kernel-only' if menu else 'whole'} menu), "
+                   f"from {args.menu}\npredicted ratio {score['ratio']:.3f}; "
+                   + ", ".join(f"{c} {score[c]:.4g}" for c in ("grad_error", "cosine", "loss_change")))
+        path = write_map_yaml(choice.map, args.out / f"{name}.yaml", name=name, comment=comment,
+                              norm_storage=choice.norm_storage, act_storage=choice.act_storage)
+        print(f"{path}: ratio {score['ratio']:.3f}, grad_error {score['grad_error']:.4g}, cosine {score['cosine']:.4f}")
+
+
+if __name__ == "__main__":
+    main()
