@@ -15,6 +15,7 @@ public, deprecated ``profile.export_memory_timeline``), pinned with the torch ve
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -131,6 +132,10 @@ def track_step_memory(device: torch.device | str) -> Iterator[StepMemoryTracker]
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     tracker = StepMemoryTracker()
+    # Kineto prints profiler_start/stop lines and, without a GPU, "ERROR ... gpuGetDeviceCount
+    # failed" to stderr at every profile; the CPU profile is complete all the same. Quiet unless the
+    # user set a level.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                  with_stack=True) as prof:  # the categorizer needs shapes and the Python calls
         yield tracker
