@@ -151,7 +151,7 @@ BAD_INPUTS = {  # case: (overrides, what the error line must say)
     "kernel 0": (["+compression.map.conv1=0"], "kernel size 0 must be >= 1"),
     "kernel -1": (["+compression.map.conv1=-1"], "kernel size -1 must be >= 1"),
     "kernel 2.5": (["+compression.map.conv1=2.5"], "kernel size 2.5 is not an integer"),
-    "kernel x": (["+compression.map.conv1=x"], "kernel size 'x' is not an integer"),
+    "kernel x": (["+compression.map.conv1=x"], "'x' is neither a kernel size (an integer) nor a storage"),
     "corrupt checkpoint": (["hydra.run.dir={tmp}/corrupt", "resume=true"], "is unreadable"),
 }
 

@@ -69,6 +69,9 @@ def _parse_text(pattern: str, text: str) -> dict[str, Any]:
             f"compression pattern {pattern!r}: cannot read {text!r}; write k, 'k/storage', "
             f"'khxkw/storage' or a storage alone (storages: {', '.join(STORAGES)})"
         ) from None
+    if storage not in STORAGES and not kernel_text:
+        raise ValueError(f"compression pattern {pattern!r}: {text!r} is neither a kernel size (an integer) "
+                         f"nor a storage ({', '.join(STORAGES)})")
     if storage not in STORAGES:
         raise ValueError(f"compression pattern {pattern!r}: unknown storage {storage!r} in {text!r}; "
                          f"choose one of {', '.join(STORAGES)}")
