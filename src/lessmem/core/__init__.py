@@ -9,7 +9,7 @@
 Other layers use the core through the names exported here.
 """
 
-from lessmem.core.compress import compress, compressed_layers, uncompress
+from lessmem.core.compress import compress, compressed_layers, storable_layers, uncompress
 from lessmem.core.coverage import CoverageReport, coverage
 from lessmem.core.functions.pooling import expand_blocks, pool_blocks
 from lessmem.core.kernels.cpu import build_cpu_kernels
@@ -17,6 +17,7 @@ from lessmem.core.mapping import compressible_layers, resolve_mapping
 from lessmem.core.memory import MemoryReport, measure_memory
 from lessmem.core.patterns import first_match
 from lessmem.core.resident_memory import FIXED_MMAP_ENV, peak_rss_growth
+from lessmem.core.rounding import load_rounding_state, rounding_state
 from lessmem.core.spec import LayerSpec, parse_spec
 from lessmem.core.step_memory import (
     StepMemoryReport,
@@ -24,11 +25,19 @@ from lessmem.core.step_memory import (
     track_step_memory,
     training_step,
 )
-from lessmem.core.storage import STORAGES
+from lessmem.core.storage import (
+    STORAGES,
+    TensorMeta,
+    pack_tensor,
+    stored_bytes,
+    tensor_meta,
+    unpack_tensor,
+)
 
 __all__ = [
     "FIXED_MMAP_ENV",
     "STORAGES",
+    "TensorMeta",
     "CoverageReport",
     "LayerSpec",
     "MemoryReport",
@@ -40,13 +49,20 @@ __all__ = [
     "coverage",
     "expand_blocks",
     "first_match",
+    "load_rounding_state",
     "measure_memory",
     "measure_step_memory",
+    "pack_tensor",
     "parse_spec",
     "peak_rss_growth",
     "pool_blocks",
     "resolve_mapping",
+    "rounding_state",
+    "storable_layers",
+    "stored_bytes",
+    "tensor_meta",
     "track_step_memory",
     "training_step",
     "uncompress",
+    "unpack_tensor",
 ]

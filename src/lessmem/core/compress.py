@@ -113,6 +113,15 @@ def _storage_choices(
     return chosen
 
 
+def storable_layers(model: nn.Module) -> dict[str, list[str]]:
+    """Names of the layers each lossy storage option can reach: ``{"norm_storage": [BatchNorm2d
+    names], "act_storage": [GELU / SiLU names]}``, in module order."""
+    return {
+        "norm_storage": [n for n, m in model.named_modules() if _stored_norm_of(m) is not None],
+        "act_storage": [n for n, m in model.named_modules() if stored_activation_of(m) is not None],
+    }
+
+
 def uncompress(model: nn.Module) -> nn.Module:
     """Restore every swapped layer to its stock class (in place); returns ``model``."""
     for module in model.modules():

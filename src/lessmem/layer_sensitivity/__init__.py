@@ -1,19 +1,30 @@
 """Layer sensitivity: how much each layer's weight gradient changes under each compression
-choice, measured from one stock forward/backward per batch, and the maps chosen from it
-(torch only)."""
+choice, measured from one stock forward/backward per batch (kernels: ``sensitivity``; the whole
+kernel x storage menu with the whole-gradient criterion: ``measure_menu``), and the maps chosen
+from it (torch only)."""
 
 from lessmem.layer_sensitivity.geometry import conv_layers
 from lessmem.layer_sensitivity.groups import group_layers
-from lessmem.layer_sensitivity.io import append_history, write_map_yaml
+from lessmem.layer_sensitivity.io import append_history, read_map_yaml, write_map_yaml
 from lessmem.layer_sensitivity.measure import DEFAULT_KERNELS, sensitivity
+from lessmem.layer_sensitivity.menu import CRITERIA, MapChoice, MenuItem, MenuResult, option_name
+from lessmem.layer_sensitivity.menu_measure import LOSSY_STORAGES, measure_menu
 from lessmem.layer_sensitivity.result import SensitivityResult
 
 __all__ = [
+    "CRITERIA",
     "DEFAULT_KERNELS",
+    "LOSSY_STORAGES",
+    "MapChoice",
+    "MenuItem",
+    "MenuResult",
     "SensitivityResult",
     "append_history",
     "conv_layers",
     "group_layers",
+    "measure_menu",
+    "option_name",
+    "read_map_yaml",
     "sensitivity",
     "write_map_yaml",
 ]

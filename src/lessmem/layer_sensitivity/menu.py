@@ -1,0 +1,235 @@
+"""What a storage-menu measurement found, and the maps read from it.
+
+One item per place a map can compress: every Conv2d input (options: pooling kernel x storage,
+written ``"2"``, ``"2/int4"``, ``"int4"``), every BatchNorm2d input and every GELU / SiLU input
+(options: a storage). Per item, option and batch three criteria:
+
+- ``grad_error``: ||g_hat - g||^2 / ||g||^2 with g the whole parameter gradient. A conv input
+  touches only its own weight gradient and leaves the backward exact, so these add up over conv
+  items exactly; BatchNorm / activation storages change the gradient of every earlier layer and
+  are measured by an actual compressed backward (GACT's probing), their errors added as if
+  independent.
+- ``loss_change``: <g, g - g_hat> / ||g||^2, how much less a step of SGD lowers the loss to
+  first order (additive in the same way); a map's score is the absolute value of the sum.
+- ``cosine``: cosine of the layer's weight gradient (conv) or of the whole gradient (probes);
+  a map's score is the mean over items (the issue-12 criterion).
+
+Bytes: what each option keeps, exactly as ``lessmem.measure_memory`` counts it. A map's total is
+``base_bytes`` (everything no item controls, under exact companions) plus the items' bytes, with
+the layers reading one tensor (ResNet's conv1 and downsample) storing each distinct option once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lessmem.core import first_match, parse_spec
+from lessmem.layer_sensitivity.knapsack import least_value_choice
+
+CRITERIA = ("grad_error", "loss_change", "cosine")
+StorageRule = str | Mapping[str, str]
+
+
+def option_name(kernel: int, storage: str) -> str:
+    """How a conv option is written in a map: ``"2"``, ``"2/int4"``, ``"int4"`` (kernel 1)."""
+    if storage == "native":
+        return str(kernel)
+    return storage if kernel == 1 else f"{kernel}/{storage}"
+
+
+@dataclass
+class MenuItem:
+    name: str
+    kind: str  # "conv" | "norm" | "act"
+    options: list[str]
+    nbytes: list[int]  # per option
+    criteria: dict[str, list[list[float]]]  # criterion -> per batch -> per option
+    group: int | None = None  # conv items reading one tensor share a group id
+
+    @property
+    def exact_option(self) -> str:
+        return "1" if self.kind == "conv" else "native"
+
+    def mean(self, criterion: str) -> list[float]:
+        return [float(v) for v in np.mean(np.asarray(self.criteria[criterion], dtype=float), axis=0)]
+
+    def index(self, option: str) -> int:
+        if option not in self.options:
+            raise ValueError(f"{self.kind} {self.name!r}: option {option!r} was not measured; have {self.options}")
+        return self.options.index(option)
+
+
+@dataclass
+class MapChoice:
+    """A map read from a menu: conv map, BatchNorm and activation storages, and its score."""
+
+    map: dict[str, str]
+    norm_storage: dict[str, str] | str
+    act_storage: dict[str, str] | str
+    score: dict[str, float]
+
+
+@dataclass
+class MenuResult:
+    items: list[MenuItem]
+    stock_bytes: int  # stock PyTorch, same model and batch
+    base_bytes: int  # bytes no item controls (exact companions on)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # ---- scoring --------------------------------------------------------------------------------
+
+    def options_of(self, mapping: Mapping[str, Any] | None, norm_storage: StorageRule = "native",
+                   act_storage: StorageRule = "native") -> dict[str, str]:
+        """Item name -> the option a map (as ``lessmem.compress`` reads it) gives it."""
+        rules = {"conv": _conv_rule(mapping or {}), "norm": _storage_rule(norm_storage),
+                 "act": _storage_rule(act_storage)}
+        chosen = {}
+        for item in self.items:
+            rule = rules[item.kind]
+            pattern = first_match(item.name, rule)
+            option = item.exact_option if pattern is None else rule[pattern]
+            item.index(option)
+            chosen[item.name] = option
+        return chosen
+
+    def score(self, mapping: Mapping[str, Any] | None, norm_storage: StorageRule = "native",
+              act_storage: StorageRule = "native") -> dict[str, float]:
+        """Every criterion and the predicted saved bytes (and ratio to stock) of a map."""
+        return self._score(self.options_of(mapping, norm_storage, act_storage))
+
+    def _score(self, chosen: Mapping[str, str]) -> dict[str, float]:
+        totals = dict.fromkeys(CRITERIA, 0.0)
+        group_options: dict[tuple[int, str], int] = {}
+        nbytes = self.base_bytes
+        for item in self.items:
+            j = item.index(chosen[item.name])
+            for c in CRITERIA:
+                totals[c] += item.mean(c)[j]
+            if item.group is None:
+                nbytes += item.nbytes[j]
+            else:  # a shared input keeps each distinct option once
+                group_options[(item.group, item.options[j])] = item.nbytes[j]
+        nbytes += sum(group_options.values())
+        return {"grad_error": totals["grad_error"], "loss_change": abs(totals["loss_change"]),
+                "cosine": totals["cosine"] / max(len(self.items), 1), "bytes": float(nbytes),
+                "ratio": nbytes / self.stock_bytes}
+
+    # ---- choosing -------------------------------------------------------------------------------
+
+    def make_map(self, budget: float, criterion: str = "grad_error") -> MapChoice:
+        """The map of least summed ``criterion`` whose total saved bytes fit ``budget`` (a fraction
+        of stock's saved bytes when <= 1, else bytes): a multiple-choice knapsack over the whole
+        menu, the layers reading one tensor choosing together."""
+        if criterion not in CRITERIA:
+            raise ValueError(f"unknown criterion {criterion!r}; choose one of {', '.join(CRITERIA)}")
+        if budget <= 0:
+            raise ValueError(f"budget must be > 0, got {budget}")
+        limit = budget * self.stock_bytes if budget <= 1 else float(budget)
+        units = self._units()
+        values, costs, unit_options = [], [], []
+        for members in units:
+            options = [o for o in members[0].options if all(o in m.options for m in members)]
+            unit_options.append(options)
+            per_option = [sum(_additive(m, criterion)[m.index(o)] for m in members) for o in options]
+            values.append(per_option)
+            costs.append([members[0].nbytes[members[0].index(o)] for o in options])
+        choice = least_value_choice(values, costs, limit - self.base_bytes)
+        if choice is None:
+            least = self.base_bytes + sum(min(c) for c in costs)
+            raise ValueError(f"no map fits {limit / self.stock_bytes:.3f}x stock saved bytes; the menu's "
+                             f"smallest is {least / self.stock_bytes:.3f}x")
+        chosen: dict[str, str] = {}
+        for members, options, j in zip(units, unit_options, choice, strict=True):
+            for m in members:
+                chosen[m.name] = options[j]
+        conv = {i.name: chosen[i.name] for i in self.items if i.kind == "conv"}
+        norm = {i.name: chosen[i.name] for i in self.items if i.kind == "norm" and chosen[i.name] != "native"}
+        act = {i.name: chosen[i.name] for i in self.items if i.kind == "act" and chosen[i.name] != "native"}
+        return MapChoice(conv, norm or "native", act or "native", self._score(chosen))
+
+    def uniform(self, conv: str, norm: str = "native", act: str = "native") -> dict[str, float]:
+        """The score of one option everywhere (``conv`` as written in a map, e.g. "2/int4")."""
+        return self.score({"*": conv}, norm, act)
+
+    def _units(self) -> list[list[MenuItem]]:
+        """Items that choose together: one conv group, or a single norm / activation item."""
+        groups: dict[Any, list[MenuItem]] = {}
+        for item in self.items:
+            key = ("group", item.group) if item.group is not None else ("item", item.name)
+            groups.setdefault(key, []).append(item)
+        return list(groups.values())
+
+    # ---- files ----------------------------------------------------------------------------------
+
+    def rows(self) -> list[dict[str, Any]]:
+        out = []
+        for item in self.items:
+            means = {c: item.mean(c) for c in CRITERIA}
+            for j, option in enumerate(item.options):
+                out.append({"item": item.name, "kind": item.kind, "option": option, "bytes": item.nbytes[j],
+                            **{c: means[c][j] for c in CRITERIA}})
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stock_bytes": self.stock_bytes, "base_bytes": self.base_bytes, "meta": self.meta,
+                "items": [asdict(i) for i in self.items]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> MenuResult:
+        return cls([MenuItem(**i) for i in d["items"]], int(d["stock_bytes"]), int(d["base_bytes"]),
+                   dict(d.get("meta", {})))
+
+    @classmethod
+    def load(cls, path: str | Path) -> MenuResult:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "menu.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no menu measurement at {path} (lessmem-sensitivity sensitivity.menu=true writes it)")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    def save(self, out_dir: str | Path) -> dict[str, Path]:
+        """Write menu.json (everything) and menu.csv (per item x option: bytes, mean criteria)."""
+        import csv
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = {"json": out / "menu.json", "csv": out / "menu.csv"}
+        paths["json"].write_text(json.dumps(self.to_dict(), indent=1))
+        rows = self.rows()
+        with paths["csv"].open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        return paths
+
+
+def _additive(item: MenuItem, criterion: str) -> list[float]:
+    """Per option, the value a knapsack sums for ``criterion`` (least is best)."""
+    means = item.mean(criterion)
+    if criterion == "cosine":
+        return [1.0 - v for v in means]  # least summed (1 - cos) = greatest mean cosine
+    if criterion == "loss_change":
+        return [abs(v) for v in means]
+    return means
+
+
+def _conv_rule(mapping: Mapping[str, Any]) -> dict[str, str]:
+    """A conv map's patterns -> option names (``parse_spec`` reads every value form)."""
+    rule = {}
+    for pattern, value in mapping.items():
+        spec = parse_spec(str(pattern), value)
+        if spec.kernel[0] != spec.kernel[1]:
+            raise ValueError(f"pattern {pattern!r}: the menu measures square kernels only, got {spec.kernel}")
+        rule[str(pattern)] = option_name(spec.kernel[0], spec.storage)
+    return rule
+
+
+def _storage_rule(rule: StorageRule) -> dict[str, str]:
+    return {"*": rule} if isinstance(rule, str) else {str(p): str(s) for p, s in rule.items()}

@@ -1,0 +1,243 @@
+"""Measure the whole compressor menu (pooling kernel x storage for conv inputs, storage for
+BatchNorm and GELU / SiLU inputs) of a model on a few batches (``lessmem.layer_sensitivity.menu``).
+
+Per batch: one exact forward/backward (exact companions, bit-identical to stock) whose conv
+hooks recompute each conv's weight gradient from its input pooled and stored every way the menu
+offers; then one compressed forward/backward per lossy BatchNorm / activation option, which
+carries that option's error into every earlier layer as training would. Stochastic rounding and
+dropout draw the same noise in every pass of a batch, and the global rounding stream and torch
+RNG are left as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lessmem.core import (
+    STORAGES,
+    compress,
+    expand_blocks,
+    load_rounding_state,
+    measure_memory,
+    pack_tensor,
+    pool_blocks,
+    rounding_state,
+    storable_layers,
+    stored_bytes,
+    tensor_meta,
+    unpack_tensor,
+)
+from lessmem.layer_sensitivity.geometry import ConvLayer, conv_layers
+from lessmem.layer_sensitivity.measure import (
+    DEFAULT_KERNELS,
+    Batch,
+    _default_loss,
+    _progress,
+    _split,
+)
+from lessmem.layer_sensitivity.menu import MenuItem, MenuResult, option_name
+from lessmem.layer_sensitivity.recorder import _weight_grad
+
+# 1-bit BatchNorm / activation inputs diverge in training: left out of the default menu.
+LOSSY_STORAGES = ("bf16", "int8", "int4", "int2")
+
+
+def measure_menu(
+    model: nn.Module,
+    batches: Iterable[Batch],
+    kernels: Sequence[int] = DEFAULT_KERNELS,
+    storages: Sequence[str] = STORAGES,
+    norm_storages: Sequence[str] = LOSSY_STORAGES,
+    act_storages: Sequence[str] = LOSSY_STORAGES,
+    loss_fn: Callable[[Tensor, Tensor | None], Tensor] | None = None,
+    *,
+    progress: bool = False,
+) -> MenuResult:
+    """Every menu option's bytes and gradient error on ``batches`` (``images`` or
+    ``(images, labels)``), for ``model`` in its current mode; ``model`` itself is not changed."""
+    kernels = sorted({int(k) for k in kernels})
+    if not kernels or kernels[0] != 1 or "native" not in storages:
+        raise ValueError(f"the menu needs kernel 1 and native storage (the exact option) among positive "
+                         f"kernels, got kernels {kernels}, storages {list(storages)}")
+    for s in (*storages, *norm_storages, *act_storages):
+        if s not in STORAGES:
+            raise ValueError(f"unknown storage {s!r}; choose from {', '.join(STORAGES)}")
+    loss_fn = loss_fn or _default_loss
+    net = compress(copy.deepcopy(model), None)  # exact companions: the bytes a map starts from
+    layers = conv_layers(net)
+    reach = storable_layers(net)
+    probes = [("norm", n, s) for n in reach["norm_storage"] for s in norm_storages if s != "native"]
+    probes += [("act", n, s) for n in reach["act_storage"] for s in act_storages if s != "native"]
+    conv_options = [(k, s) for k in kernels for s in storages]
+    recorder = _MenuRecorder(layers, conv_options)
+    lossy_inputs = _InputSizes(net, [n for _, n, _ in probes])
+    params = [p for p in net.parameters() if p.requires_grad]
+    device = params[0].device
+    state, first = rounding_state(), None
+    probe_stats: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    n_batches = 0
+    try:
+        for batch_no, batch in enumerate(_progress(batches, progress)):
+            x, y = _split(batch)
+            x, y = x.to(device), None if y is None else y.to(device)
+            first = first if first is not None else x
+            exact = _flat_grad(net, params, x, y, loss_fn, batch_no, hooks=(recorder, lossy_inputs))
+            recorder.finish_batch(float(exact.square().sum()))
+            for kind, name, storage in probes:
+                option = "norm_storage" if kind == "norm" else "act_storage"
+                compress(net, None, **{option: {name: storage}})
+                approx = _flat_grad(net, params, x, y, loss_fn, batch_no)
+                probe_stats.setdefault((name, storage), []).append(_whole_gradient_criteria(exact, approx))
+            compress(net, None)
+            n_batches += 1
+    finally:
+        load_rounding_state(state)
+    if n_batches == 0:
+        raise ValueError("measure_menu got no batches")
+    stock = measure_memory(copy.deepcopy(model), first).total_bytes
+    base = measure_memory(net, first).total_bytes
+    items = recorder.items(n_batches)
+    for kind, name in [("norm", n) for n in reach["norm_storage"]] + [("act", n) for n in reach["act_storage"]]:
+        wanted = norm_storages if kind == "norm" else act_storages
+        options = ["native", *[s for s in wanted if s != "native"]]
+        numel, elem = lossy_inputs.sizes[name]
+        rows = {c: [[0.0 if o == "native" else probe_stats[(name, o)][b][i] for o in options]
+                    for b in range(n_batches)]
+                for i, c in enumerate(("grad_error", "loss_change", "cosine"))}
+        for b in range(n_batches):
+            rows["cosine"][b][0] = 1.0
+        items.append(MenuItem(name, kind, options, [stored_bytes(numel, o, elem) for o in options], rows))
+    # What the map controls comes off the exact-companion total: each item's exact option once.
+    base -= sum(i.nbytes[i.index(i.exact_option)] for i in items if i.kind != "conv")
+    base -= sum({i.group: i.nbytes[i.index("1")] for i in items if i.kind == "conv"}.values())
+    meta = {"batches": n_batches, "batch_size": int(first.shape[0]), "kernels": kernels,
+            "storages": list(storages), "norm_storages": list(norm_storages), "act_storages": list(act_storages)}
+    return MenuResult(items, stock, base, meta)
+
+
+def _flat_grad(net: nn.Module, params: list[nn.Parameter], x: Tensor, y: Tensor | None,
+               loss_fn: Callable[[Tensor, Tensor | None], Tensor], batch_no: int,
+               hooks: tuple = ()) -> Tensor:
+    """The whole parameter gradient of one batch, flattened (float64); the same rounding noise and
+    RNG draws for every pass over batch ``batch_no``."""
+    load_rounding_state({"seed": 0x5EED + batch_no, "calls": 0})
+    handles = [h for hook in hooks for h in hook.attach()]
+    try:
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+            torch.manual_seed(batch_no)
+            loss = loss_fn(net(x), y)
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.cat([(torch.zeros_like(p) if g is None else g).detach().double().flatten()
+                      for p, g in zip(params, grads, strict=True)])
+
+
+def _whole_gradient_criteria(exact: Tensor, approx: Tensor) -> tuple[float, float, float]:
+    """(||a - e||^2 / ||e||^2, <e, e - a> / ||e||^2, cos(e, a))."""
+    norm2 = float(exact.square().sum())
+    if norm2 == 0:
+        return 0.0, 0.0, 1.0
+    diff = exact - approx
+    cos = float(exact @ approx) / max(norm2**0.5 * float(approx.norm()), 1e-300)
+    return float(diff.square().sum()) / norm2, float(exact @ diff) / norm2, cos
+
+
+class _InputSizes:
+    """(numel, element size) of the input of each named layer, from forward pre-hooks."""
+
+    def __init__(self, net: nn.Module, names: list[str]) -> None:
+        self.net, self.names = net, sorted(set(names))
+        self.sizes: dict[str, tuple[int, int]] = {}
+
+    def attach(self) -> list:
+        def hook(name: str):
+            def record(module: nn.Module, args: tuple) -> None:
+                self.sizes[name] = (args[0].numel(), args[0].element_size())
+            return record
+        return [self.net.get_submodule(n).register_forward_pre_hook(hook(n)) for n in self.names]
+
+
+class _MenuRecorder:
+    """Conv hooks: each conv's exact weight gradient and, per menu option, the one taken from its
+    input pooled and stored that way; per batch, squared error and inner products (normalised by
+    the whole gradient's squared norm once the backward is done)."""
+
+    def __init__(self, layers: list[ConvLayer], options: list[tuple[int, str]]) -> None:
+        self.layers, self.options = layers, options
+        self.raw: dict[str, list[tuple[float, float, float]]] = {}  # per option of the current batch
+        self.stats: dict[str, dict[str, list[list[float]]]] = {}
+        self.shapes: dict[str, tuple[tuple[int, ...], int]] = {}
+        self.groups: dict[str, tuple[int, tuple[int, ...], str]] = {}
+        self.caller_held: set[str] = set()
+
+    def attach(self) -> list:
+        return [layer.module.register_forward_hook(self._forward_hook(layer)) for layer in self.layers]
+
+    def _forward_hook(self, layer: ConvLayer):
+        def hook(module: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> None:
+            x = args[0]
+            if not torch.is_grad_enabled() or not out.requires_grad:
+                return
+            if x.grad_fn is None and not x.requires_grad and layer.pre_pad is None:
+                self.caller_held.add(layer.name)
+            # One tensor read by several convs is stored once per option (a pre-padded input is a
+            # fresh tensor per conv, so it never shares).
+            owner = layer.name if layer.pre_pad is not None else ""
+            self.groups[layer.name] = (x.untyped_storage().data_ptr(), tuple(x.shape), owner)
+            saved = x.detach()
+            out.register_hook(lambda g: self._backward(layer, saved, g))
+        return hook
+
+    def _backward(self, layer: ConvLayer, x: Tensor, grad_out: Tensor) -> None:
+        if layer.pre_pad is not None:
+            x = layer.pre_pad(x)
+        self.shapes[layer.name] = (tuple(x.shape), x.element_size())
+        exact = _weight_grad(layer, grad_out, x).double()
+        rows = []
+        for k, storage in self.options:
+            if k == 1 and storage == "native":
+                rows.append((0.0, 0.0, 1.0))
+                continue
+            pooled = pool_blocks(x, (k, k))
+            stored = unpack_tensor(pack_tensor(pooled, storage), storage, tensor_meta(pooled))
+            approx = _weight_grad(layer, grad_out, expand_blocks(stored, (k, k), x.shape[-2:])).double()
+            diff = exact - approx
+            norm = float(exact.norm()) * float(approx.norm())
+            rows.append((float(diff.square().sum()), float((exact * diff).sum()),
+                         float((exact * approx).sum()) / norm if norm > 0 else 1.0))
+        self.raw[layer.name] = rows
+
+    def finish_batch(self, grad_norm2: float) -> None:
+        scale = 1.0 / grad_norm2 if grad_norm2 > 0 else 0.0
+        for name, rows in self.raw.items():
+            stats = self.stats.setdefault(name, {"grad_error": [], "loss_change": [], "cosine": []})
+            stats["grad_error"].append([r[0] * scale for r in rows])
+            stats["loss_change"].append([r[1] * scale for r in rows])
+            stats["cosine"].append([r[2] for r in rows])
+        self.raw = {}
+
+    def items(self, n_batches: int) -> list[MenuItem]:
+        group_ids: dict[tuple[int, tuple[int, ...], str], int] = {}
+        out = []
+        for layer in self.layers:
+            name = layer.name
+            if name not in self.stats or len(self.stats[name]["grad_error"]) != n_batches:
+                continue  # never reached the loss
+            shape, elem = self.shapes[name]
+            nbytes = []
+            for k, storage in self.options:
+                n, c, h, w = shape
+                if k == 1 and storage == "native":
+                    nbytes.append(0 if name in self.caller_held else n * c * h * w * elem)
+                else:
+                    nbytes.append(stored_bytes(n * c * -(-h // k) * -(-w // k), storage, elem))
+            group = group_ids.setdefault(self.groups[name], len(group_ids))
+            out.append(MenuItem(name, "conv", [option_name(k, s) for k, s in self.options], nbytes,
+                                self.stats[name], group))
+        return out

@@ -1,0 +1,160 @@
+"""The compressor menu: bytes predicted exactly as measure_memory counts them, the whole-gradient
+criterion additive as claimed, the knapsack optimal and within budget, map files round-trip."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_sensitivity import batches, tiny_cnn
+
+import lessmem
+from lessmem.core import load_rounding_state, rounding_state
+from lessmem.experiment.compression import resolve_compression
+from lessmem.layer_sensitivity import (
+    MenuItem,
+    MenuResult,
+    measure_menu,
+    read_map_yaml,
+    write_map_yaml,
+)
+
+KERNELS = (1, 2, 4)
+STORAGES = ("native", "bf16", "int8", "int4")
+
+
+@pytest.fixture(scope="module")
+def menu() -> MenuResult:
+    return measure_menu(tiny_cnn().train(), batches(), kernels=KERNELS, storages=STORAGES,
+                        norm_storages=("bf16", "int8", "int2"))
+
+
+def whole_grad(model: torch.nn.Module, batch) -> torch.Tensor:
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(F.cross_entropy(model(batch[0]), batch[1]), params)
+    return torch.cat([g.double().flatten() for g in grads])
+
+
+def test_items_cover_convs_and_norms(menu: MenuResult) -> None:
+    kinds = {(i.name, i.kind) for i in menu.items}
+    assert kinds == {("0", "conv"), ("3.conv1", "conv"), ("3.conv2", "conv"), ("3.down", "conv"), ("4", "conv"),
+                     ("1", "norm"), ("3.bn1", "norm")}
+    shared = {i.name: i.group for i in menu.items if i.kind == "conv"}
+    assert shared["3.conv1"] == shared["3.down"] != shared["3.conv2"]
+    conv = next(i for i in menu.items if i.name == "3.conv2")
+    assert conv.options[:3] == ["1", "bf16", "int8"] and "2/int4" in conv.options
+    assert conv.mean("grad_error")[0] == 0.0 and all(v > 0 for v in conv.mean("grad_error")[1:])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_predicted_bytes_equal_measured(menu: MenuResult, seed: int) -> None:
+    """Random per-layer maps (shared inputs with differing options included): the menu's bytes
+    are what measure_memory counts on the compressed model, byte for byte."""
+    rng = random.Random(seed)
+    model = tiny_cnn().train()
+    x = batches()[0][0]
+    convs = [i for i in menu.items if i.kind == "conv"]
+    mapping = {i.name: rng.choice(i.options) for i in convs}
+    norm = {i.name: rng.choice(i.options) for i in menu.items if i.kind == "norm"}
+    predicted = menu.score(mapping, norm)
+    measured = lessmem.measure_memory(lessmem.compress(copy.deepcopy(model), mapping, norm_storage=norm), x)
+    stock = lessmem.measure_memory(model, x)
+    assert predicted["bytes"] == measured.total_bytes
+    assert predicted["ratio"] == pytest.approx(measured.ratio_to(stock))
+
+
+def test_conv_errors_add_up_to_the_whole_gradient_error(menu: MenuResult) -> None:
+    """Conv inputs leave the backward exact, so a map's summed per-item error is the relative
+    whole-gradient error of an actual compressed backward (deterministic storages: no noise)."""
+    mapping = {"0": "2", "3.conv1": "int8", "3.down": "4/bf16", "3.conv2": "2/int8", "4": "4"}
+    errors = []
+    for batch in batches():
+        model = tiny_cnn().train()
+        exact = whole_grad(copy.deepcopy(model), batch)
+        approx = whole_grad(lessmem.compress(model, mapping), batch)
+        errors.append(float((approx - exact).square().sum() / exact.square().sum()))
+    assert menu.score(mapping)["grad_error"] == pytest.approx(sum(errors) / len(errors), rel=1e-6)
+
+
+def test_norm_probe_is_an_actual_compressed_backward(menu: MenuResult) -> None:
+    errors = []
+    for batch in batches():
+        model = tiny_cnn().train()
+        exact = whole_grad(copy.deepcopy(model), batch)
+        approx = whole_grad(lessmem.compress(model, None, norm_storage={"3.bn1": "int8"}), batch)
+        errors.append(float((approx - exact).square().sum() / exact.square().sum()))
+    item = next(i for i in menu.items if i.name == "3.bn1")
+    assert item.mean("grad_error")[item.index("int8")] == pytest.approx(sum(errors) / len(errors), rel=1e-6)
+    assert item.mean("grad_error")[item.index("int2")] > item.mean("grad_error")[item.index("int8")] > 0
+
+
+def test_measurement_leaves_model_and_rounding_stream_alone() -> None:
+    model = tiny_cnn().train()
+    before = copy.deepcopy(model.state_dict())
+    state = rounding_state()
+    measure_menu(model, batches(1), kernels=(1, 2), storages=("native", "int4"), norm_storages=("int4",))
+    assert rounding_state() == state
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(type(m).__module__.startswith("lessmem") for m in model.modules())
+    load_rounding_state(state)
+
+
+@pytest.mark.parametrize("budget", [0.25, 0.4, 0.7])
+def test_knapsack_map_fits_and_is_measured_within_budget(menu: MenuResult, budget: float) -> None:
+    choice = menu.make_map(budget)
+    model = tiny_cnn().train()
+    x = batches()[0][0]
+    compressed = lessmem.compress(copy.deepcopy(model), choice.map, norm_storage=choice.norm_storage)
+    ratio = lessmem.measure_memory(compressed, x).ratio_to(lessmem.measure_memory(model, x))
+    assert ratio <= budget and choice.score["ratio"] == pytest.approx(ratio)
+
+
+def test_knapsack_is_optimal_against_brute_force() -> None:
+    rng = random.Random(0)
+    items = []
+    for i in range(5):
+        n = rng.randint(2, 4)
+        errs = [0.0] + sorted(rng.random() for _ in range(n - 1))
+        nbytes = [1000] + sorted((rng.randint(50, 400) for _ in range(n - 1)), reverse=True)
+        items.append(MenuItem(f"n{i}", "norm", ["native", *[f"s{j}" for j in range(1, n)]], nbytes,
+                              {"grad_error": [errs], "loss_change": [errs], "cosine": [[1 - e for e in errs]]}))
+    menu = MenuResult(items, stock_bytes=6000, base_bytes=500)
+    for budget in (0.45, 0.6, 0.75):
+        best = min((sum(it.mean("grad_error")[j] for it, j in zip(items, combo, strict=True)), combo)
+                   for combo in itertools.product(*(range(len(it.options)) for it in items))
+                   if 500 + sum(it.nbytes[j] for it, j in zip(items, combo, strict=True)) <= budget * 6000)
+        choice = menu.make_map(budget)
+        assert choice.score["grad_error"] == pytest.approx(best[0])
+        assert choice.score["bytes"] <= budget * 6000
+
+
+def test_bad_requests_say_what_is_wrong(menu: MenuResult) -> None:
+    with pytest.raises(ValueError, match="option '8' was not measured"):
+        menu.score({"*": 8})
+    with pytest.raises(ValueError, match="no map fits 0.010x stock saved bytes; the menu's smallest is"):
+        menu.make_map(0.01)
+    with pytest.raises(ValueError, match="unknown criterion 'accuracy'"):
+        menu.make_map(0.5, "accuracy")
+    with pytest.raises(ValueError, match="needs kernel 1 and native storage"):
+        measure_menu(tiny_cnn(), batches(1), kernels=(2, 4))
+
+
+def test_menu_and_map_files_round_trip(menu: MenuResult, tmp_path) -> None:
+    menu.save(tmp_path)
+    again = MenuResult.load(tmp_path)
+    choice = menu.make_map(0.4)
+    assert again.make_map(0.4).map == choice.map
+    path = write_map_yaml(choice.map, tmp_path / "chosen.yaml", norm_storage=choice.norm_storage,
+                          act_storage="native", comment="test map")
+    mapping, norm, act = read_map_yaml(path)
+    assert (mapping, norm, act) == (choice.map, choice.norm_storage, "native")
+    assert menu.score(mapping, norm, act) == choice.score
+    from omegaconf import OmegaConf
+
+    run_choice = resolve_compression(OmegaConf.create({"map": {}, "map_file": str(path), "norm_storage": "native",
+                                                       "act_storage": "native", "exact_companions": None}))
+    assert run_choice.map == choice.map and run_choice.norm_storage == choice.norm_storage
