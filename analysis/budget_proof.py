@@ -26,24 +26,27 @@ import yaml
 from jobs import REPO, Job, schedule, train_job
 
 # config -> (budget it belongs to, conv spec, BatchNorm storage); None: map file comes from elsewhere
+# (the menu knapsack: chosen_* on the whole menu, kernels_* on the kernel-only one). A config also
+# competes at every larger budget, since its bytes fit there too.
 CONFIGS: dict[str, tuple[str, str | None, str | None]] = {
     "stock": ("all", None, None),
     "pool2": ("2x2", "2", "native"),
     "chosen_2x2": ("2x2", None, None),
+    "kernels_2x2": ("2x2", None, None),
     "pool4": ("4x4", "4", "native"),
     "pool2_int4": ("4x4", "2/int4", "native"),
     "int8_bn8": ("4x4", "int8", "int8"),
     "chosen_4x4": ("4x4", None, None),
+    "kernels_4x4": ("4x4", None, None),
     "pool2_int4_bn4": ("0.15", "2/int4", "int4"),
     "int4_bn2": ("0.15", "int4", "int2"),
     "int2_bn4": ("0.15", "int2", "int4"),
     "chosen_0.15": ("0.15", None, None),
 }
 # The tightest budget first, each chosen map beside the uniform option that fits with the least
-# predicted whole-gradient error (int4_bn2 at 0.15, int8_bn8 at 4x4's bytes); the other uniform
-# options after them.
-ORDER = ["chosen_0.15", "int4_bn2", "chosen_4x4", "int8_bn8", "pool2_int4_bn4", "pool4", "pool2_int4",
-         "int2_bn4", "chosen_2x2", "stock", "pool2"]
+# predicted whole-gradient error (int4_bn2 at 0.15, int8_bn8 at 4x4's bytes); the other options after.
+ORDER = ["chosen_0.15", "int4_bn2", "chosen_4x4", "int8_bn8", "stock", "pool4", "pool2", "pool2_int4_bn4",
+         "kernels_4x4", "chosen_2x2", "kernels_2x2", "pool2_int4", "int2_bn4"]
 
 
 def map_file(out: Path, config: str) -> Path:
