@@ -158,3 +158,24 @@ def test_menu_and_map_files_round_trip(menu: MenuResult, tmp_path) -> None:
     run_choice = resolve_compression(OmegaConf.create({"map": {}, "map_file": str(path), "norm_storage": "native",
                                                        "act_storage": "native", "exact_companions": None}))
     assert run_choice.map == choice.map and run_choice.norm_storage == choice.norm_storage
+
+
+def test_cli_menu_writes_measurement_and_a_map_a_run_can_use(tmp_path, run_cli, tiny, compose) -> None:
+    from lessmem.cli import sensitivity as cli
+
+    out = tmp_path / "menu"
+    result = run_cli(cli.main, "lessmem-sensitivity", "model=resnet20", "dataset=synthetic", "sensitivity.menu=true",
+                     "sensitivity.batches=1", "sensitivity.batch_size=4", "sensitivity.kernels=[1,2]",
+                     "sensitivity.budget=0.2", f"sensitivity.out={out}")
+    assert result.status == 0, result.stderr
+    menu = MenuResult.load(out)
+    assert {i.kind for i in menu.items} == {"conv", "norm"} and menu.meta["weights"] == "random init"
+    mapping, norm, _ = read_map_yaml(out / "menu_resnet20.yaml")
+    assert menu.score(mapping, norm)["ratio"] <= 0.2
+    cfg = compose(*tiny, f"compression.map_file={out / 'menu_resnet20.yaml'}")
+    choice = resolve_compression(cfg.compression)
+    assert choice.map == mapping and choice.norm_storage == norm
+    bad = run_cli(cli.main, "lessmem-sensitivity", "model=resnet20", "dataset=synthetic", "sensitivity.menu=true",
+                  "sensitivity.batches=1", "sensitivity.batch_size=4", "sensitivity.criterion=accuracy",
+                  f"sensitivity.out={out}")
+    assert bad.is_one_error("lessmem-sensitivity", "unknown criterion 'accuracy'")

@@ -22,6 +22,7 @@ from lessmem.cli.errors import one_line, user_errors
 from lessmem.cli.options import split_options
 from lessmem.experiment import build_model_from_cfg, compose_config, fixed_batches, load_checkpoint
 from lessmem.layer_sensitivity import (
+    CRITERIA,
     DEFAULT_KERNELS,
     MenuResult,
     SensitivityResult,
@@ -85,6 +86,8 @@ def run_menu(cfg: Any, opts: Mapping[str, Any], model: torch.nn.Module,
              batches: Any) -> tuple[MenuResult, dict[str, Path]]:
     """The menu measurement: menu.json / menu.csv and the knapsack map within the budget."""
     model_name = str(cfg.model.name)
+    if opts["criterion"] not in CRITERIA:  # before minutes of measuring, not after
+        raise ValueError(f"unknown criterion {opts['criterion']!r}; choose one of {', '.join(CRITERIA)}")
     result = measure_menu(model, batches, [int(k) for k in opts["kernels"]], progress=True)
     result.meta.update({"model": model_name, "dataset": str(cfg.dataset.name), "split": opts["split"],
                         "weights": str(opts.get("checkpoint") or "random init")})
