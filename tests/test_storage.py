@@ -1,6 +1,6 @@
 """The storage menu: bytes kept match ``stored_bytes``; decoding is within each storage's bound;
 stochastic rounding is unbiased; the noise is reproducible from (seed, call counter), through a
-saved rounding state too."""
+saved rounding state too; the fused CPU kernels give the torch reference's bits."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from lessmem.core import rounding
+from lessmem.core import storage as storage_module
+from lessmem.core.kernels import cpu as cpu_kernels
 from lessmem.core.storage import (
     BITS,
     GROUP,
@@ -140,3 +142,42 @@ def test_noise_is_the_documented_hash() -> None:
     expected = [(rounding.hash32((i + key) & rounding.MASK32) >> 8) * 2.0**-24 for i in range(40)]
     assert noise.tolist() == expected
     assert (noise >= 0).all() and (noise < 1).all()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t's raw bits (so -0.0 and 0.0, or two NaNs, compare as what they are)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _hard_inputs(dtype: torch.dtype):
+    """(tensor, channels_last) cases: odd sizes (padding), channels-last, a view that is not
+    dense, constant groups (the smallest scale), a tensor of many groups, large magnitudes."""
+    for shape, channels_last in [*_cases(), ((1,), False), ((8, 64, 16, 16), True), ((64, 1000), False)]:
+        yield _tensor(shape, channels_last, dtype)
+    yield _tensor((40, 70), dtype=dtype).t()
+    constant = torch.full((2, 256), 0.5, dtype=dtype)
+    constant[1, 200:] = -3.0
+    yield constant
+    yield (_tensor((5, 77)) * 1e4).to(dtype)
+
+
+@pytest.mark.parametrize("storage", QUANTIZED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_kernels_are_bit_identical_to_the_reference(storage, dtype, monkeypatch) -> None:
+    if cpu_kernels.build_cpu_kernels() is None:
+        pytest.skip("no C++ compiler here: the torch reference is used")
+    for i, x in enumerate(_hard_inputs(dtype)):
+        key = (0xFFFFFF00 + 7919 * i) & rounding.MASK32  # element index + key wraps past 2^32
+        monkeypatch.setattr(storage_module, "next_key", lambda key=key: key)
+        meta = tensor_meta(x)
+        fused = pack_tensor(x, storage)
+        fused_decoded = unpack_tensor(fused, storage, meta)
+        monkeypatch.setenv("LESSMEM_CPU_KERNELS", "0")
+        reference = pack_tensor(x, storage)
+        decoded = unpack_tensor(reference, storage, meta)
+        monkeypatch.delenv("LESSMEM_CPU_KERNELS")
+        assert [t.dtype for t in fused] == [t.dtype for t in reference]
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(fused, reference, strict=True)), x.shape
+        assert torch.equal(_bits(unpack_tensor(reference, storage, meta)), _bits(decoded))
+        assert torch.equal(_bits(fused_decoded), _bits(decoded))
+        assert fused_decoded.stride() == decoded.stride() and fused_decoded.dtype == decoded.dtype
