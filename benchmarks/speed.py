@@ -4,11 +4,17 @@ Both models live in one process and run alternately (stock, compressed, stock, .
 machine noise hits both alike; the reported ratio is median(compressed) / median(stock).
 
     python benchmarks/speed.py --model resnet18 --batch 32 --size 224 --kernels 2 4
+    python benchmarks/speed.py --model resnet18 --size 64 --batch 16 --maps 2 int8 int4 2/int4
     python benchmarks/speed.py --compile          # torch.compile both (compile time not timed)
     python benchmarks/speed.py --model resnet20 --size 32 --batch 128 --channels-last
     python benchmarks/speed.py --model resnet18 --size 64 --batch 16 --profile 2   # top ops
+    python benchmarks/speed.py --maps 2/int4 --profile 2x2/int4     # top ops of a --maps config
 
-Models: torchvision names and lessmem's registry (resnet20, resnet18_cifar, ...).
+Models: torchvision names and lessmem's registry (resnet20, resnet18_cifar, ...). ``--kernels K``
+times the map {"*": K}; ``--maps SPEC`` times {"*": SPEC} for a spec string of ``lessmem.compress``
+(``k``, ``k/storage``, ``khxkw/storage`` or a storage alone, storages native, bf16, int8, int4,
+int2, int1), named in the table as ``LayerSpec`` prints it (``2x2/int4``; ``int8`` is ``1x1/int8``).
+Without ``--maps``, ``--kernels`` defaults to 2 4.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 import torchvision
 
 import lessmem
+from lessmem.core import parse_spec
 
 
 def train_step(model, optimizer, x, y) -> None:
@@ -35,15 +42,21 @@ def main() -> None:
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--size", type=int, default=224)
-    parser.add_argument("--kernels", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--kernels", type=int, nargs="+", default=None,
+                        help="pooling kernels k, each timed as the map {'*': k} (default 2 4 without --maps)")
+    parser.add_argument("--maps", nargs="+", default=[], metavar="SPEC",
+                        help="spec strings, each timed as the map {'*': SPEC}: e.g. 4/native int4 2/int4 int8")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--compile", action="store_true", help="torch.compile stock and compressed models")
     parser.add_argument("--channels-last", action="store_true", help="NHWC model and input (oneDNN)")
-    parser.add_argument("--profile", type=int, default=None, metavar="K",
-                        help="also print the top ops (self CPU time) of stock and KxK, one step each")
+    parser.add_argument("--profile", default=None, metavar="CONFIG",
+                        help="also print the top ops (self CPU time) of stock and CONFIG, one step each "
+                             "(K for KxK, or a config name of the table such as 2x2/int4)")
     args = parser.parse_args()
+    specs = _specs(parser, args.kernels, args.maps)
+    profiled = _profiled(parser, args.profile, specs)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -52,8 +65,8 @@ def main() -> None:
     fmt = torch.channels_last if args.channels_last else torch.contiguous_format
     stock = stock.to(memory_format=fmt)
     models = {"stock": stock}
-    for k in args.kernels:
-        models[f"{k}x{k}"] = lessmem.compress(copy.deepcopy(stock), {"*": k})
+    for name, spec in specs.items():
+        models[name] = lessmem.compress(copy.deepcopy(stock), {"*": spec})
     optimizers = {n: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for n, m in models.items()}
     if args.compile:
         models = {n: torch.compile(m) for n, m in models.items()}
@@ -78,9 +91,31 @@ def main() -> None:
     for name, ts in times.items():
         med = statistics.median(ts)
         print(f"| {name} | {med:.3f} | {min(ts):.3f} | {med / base:.3f} |")
-    if args.profile:
-        for name in ("stock", f"{args.profile}x{args.profile}"):
+    if profiled:
+        for name in ("stock", profiled):
             profile_step(name, models[name], optimizers[name], x, y)
+
+
+def _specs(parser: argparse.ArgumentParser, kernels: list[int] | None, maps: list[str]) -> dict[str, object]:
+    """{table name: map value} of the compressed configurations, kernels first, each once."""
+    values: list[object] = list(kernels if kernels is not None else ([] if maps else [2, 4])) + list(maps)
+    specs: dict[str, object] = {}
+    for value in values:
+        try:
+            specs.setdefault(str(parse_spec("*", value)), value)
+        except ValueError as e:
+            parser.error(f"--{'kernels' if isinstance(value, int) else 'maps'} {value}: {e}")
+    return specs
+
+
+def _profiled(parser: argparse.ArgumentParser, profile: str | None, specs: dict[str, object]) -> str | None:
+    """The configuration ``--profile`` names (K stands for KxK), checked against the table's."""
+    if profile is None:
+        return None
+    name = f"{profile}x{profile}" if profile.isdigit() else profile
+    if name not in specs:
+        parser.error(f"--profile {profile}: no configuration {name!r} is timed; choose one of {', '.join(specs)}")
+    return name
 
 
 def build(name: str) -> torch.nn.Module:

@@ -28,6 +28,19 @@ def test_speed_benchmark_prints_a_ratio_per_configuration() -> None:
         assert re.search(rf"^\| {config} \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", out, re.M), out
 
 
+def test_speed_benchmark_times_spec_maps_beside_kernels() -> None:
+    out = _run("speed.py", "--model", "resnet18", "--size", "32", "--batch", "2", "--kernels", "2",
+               "--maps", "2", "int8", "2/int4", "--repeats", "1", "--warmup", "1")
+    rows = re.findall(r"^\| (\S+) \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", out, re.M)
+    assert rows == ["stock", "2x2", "1x1/int8", "2x2/int4"], out  # "2" is the 2x2 of --kernels
+
+
+def test_speed_benchmark_names_a_bad_spec() -> None:
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "speed.py"), "--maps", "2/int3"],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 2 and "--maps 2/int3" in proc.stderr and "unknown storage 'int3'" in proc.stderr
+
+
 def test_profile_diff_lists_ops_of_both_models() -> None:
     out = _run("profile_diff.py", "32", "2", "1", "--rounds", "1", "--top", "40")
     assert re.search(r"^total: stock [\d.]+, 2x2 [\d.]+$", out, re.M), out

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lessmem.cli import sensitivity
+from lessmem.core.rounding import next_key, set_rounding_seed
 from lessmem.experiment import load_checkpoint
 from lessmem.experiment.checkpoint import RESUME_KEYS
 from lessmem.experiment.seeds import rng_state, set_rng_state
@@ -80,8 +81,10 @@ def test_rng_state_survives_weights_only_round_trip(tmp_path: Path) -> None:
     np.random.seed(2)
     torch.manual_seed(3)
     np.random.standard_normal()  # a cached Gaussian is part of numpy's state
+    set_rounding_seed(4)
+    next_key()  # the rounding stream's counter is part of it too
     torch.save({"rng": rng_state()}, tmp_path / "rng.pt")
-    expected = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3))
+    expected = (random.random(), np.random.standard_normal(3).tolist(), next_key(), torch.rand(3))
     set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)["rng"])
-    again = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3))
-    assert again[:2] == expected[:2] and torch.equal(again[2], expected[2])
+    again = (random.random(), np.random.standard_normal(3).tolist(), next_key(), torch.rand(3))
+    assert again[:3] == expected[:3] and torch.equal(again[3], expected[3])

@@ -258,3 +258,55 @@ def test_channels_last_and_epoch_callback(straight: tuple[Path, dict], tmp_path:
     assert [e for e, _ in seen] == [1, 2] and seen[-1][1] == m["final_top1"]
     assert m["saved_bytes"] == ref["saved_bytes"]
     assert m["history"][0]["train_loss"] == pytest.approx(ref["history"][0]["train_loss"], rel=1e-3)
+
+
+def _int4_run_cfg(compose, tiny: tuple[str, ...], out_dir: Path, *overrides: str):
+    """Two tiny synthetic epochs with every layer's saved input pooled 2x2 in 4-bit codes (and the
+    norms' inputs too): each step draws stochastic-rounding noise."""
+    cfg = compose(*tiny, "epochs=2", f"out_dir={out_dir}", *overrides)
+    cfg.compression.map = {"*": "2/int4"}
+    cfg.compression.norm_storage = "int4"
+    return cfg
+
+
+def _final_weights(out_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out_dir / "checkpoint.pt", weights_only=True)["model"]
+
+
+def _interrupted_in_epoch_2(cfg, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run ``cfg`` until its second evaluation, after epoch 1's checkpoint (and epoch 2's steps)."""
+    calls = {"n": 0}
+    evaluate = train_mod.evaluate
+
+    def crash_in_epoch_2(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("simulated interruption")
+        return evaluate(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(train_mod, "evaluate", crash_in_epoch_2)
+        with pytest.raises(KeyboardInterrupt):
+            run(cfg)
+
+
+def test_resumed_int4_run_draws_the_same_rounding_noise(compose, tiny, tmp_path, monkeypatch) -> None:
+    """The checkpoint carries the rounding stream's counter: resumed after epoch 1, a 4-bit run ends
+    with the uninterrupted run's weights, bit for bit; restarted from the seed's stream instead, it
+    does not (so the noise the counter picks reaches the weights)."""
+    run(_int4_run_cfg(compose, tiny, tmp_path / "straight"))
+    straight = _final_weights(tmp_path / "straight")
+
+    _interrupted_in_epoch_2(_int4_run_cfg(compose, tiny, tmp_path / "resumed"), monkeypatch)
+    ckpt = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=True)
+    assert ckpt["epoch"] == 1 and ckpt["rng"]["rounding"]["calls"] > 0
+    run(_int4_run_cfg(compose, tiny, tmp_path / "resumed", "resume=true"))
+    resumed = _final_weights(tmp_path / "resumed")
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+    del ckpt["rng"]["rounding"]  # as a checkpoint from before the stream was saved
+    torch.save(ckpt, tmp_path / "resumed" / "checkpoint.pt")
+    run(_int4_run_cfg(compose, tiny, tmp_path / "resumed", "resume=true"))
+    restarted = _final_weights(tmp_path / "resumed")
+    assert not all(torch.equal(straight[k], restarted[k]) for k in straight)

@@ -17,7 +17,7 @@ from lessmem.core.mapping import compressible_layers, resolve_mapping
 from lessmem.core.memory import MemoryReport, measure_memory
 from lessmem.core.patterns import first_match
 from lessmem.core.resident_memory import FIXED_MMAP_ENV, peak_rss_growth
-from lessmem.core.rounding import load_rounding_state, rounding_state
+from lessmem.core.rounding import load_rounding_state, rounding_state, set_rounding_seed
 from lessmem.core.spec import LayerSpec, parse_spec
 from lessmem.core.step_memory import (
     StepMemoryReport,
@@ -58,6 +58,7 @@ __all__ = [
     "pool_blocks",
     "resolve_mapping",
     "rounding_state",
+    "set_rounding_seed",
     "storable_layers",
     "stored_bytes",
     "tensor_meta",

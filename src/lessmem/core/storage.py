@@ -7,6 +7,8 @@ for a contiguous one, along a row of a channel plane; for tokens, along the feat
 min and scale as float32 (8 bytes per 128 elements, 0.5 bit per element). 8-bit codes round to
 nearest; 4, 2 and 1-bit codes round stochastically and unbiased (E[decoded] = x), with the noise
 of ``rounding``. Codes below 8 bits are packed 8 // b to a byte, the first code in the low bits.
+On CPU the fused C++ kernels (``kernels.cpu``) quantize and decode in one pass each, with the same
+bits as the torch reference here.
 
 Anything but ``"native"`` is lossy.
 """
@@ -18,6 +20,8 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from lessmem.core.kernels import cpu as cpu_kernels
+from lessmem.core.layout import flat_memory_order
 from lessmem.core.rounding import next_key, uniform_noise
 
 Storage = Literal["native", "bf16", "int8", "int4", "int2", "int1"]
@@ -65,6 +69,12 @@ def _flat(x: Tensor, channels_last: bool) -> Tensor:
     return (x.permute(0, 2, 3, 1) if channels_last else x).reshape(-1)
 
 
+def _kernels_for(t: Tensor) -> bool:
+    """Whether the fused C++ kernels take this CPU tensor (else the torch reference below, which
+    they match bit for bit)."""
+    return cpu_kernels.enabled_for(t)
+
+
 def pack_tensor(x: Tensor, storage: Storage) -> tuple[Tensor, ...]:
     """The tensors that stand for ``x`` in ``storage``: (x,), (bf16 copy,), or (codes, min, scale)."""
     if storage == "native":
@@ -73,6 +83,13 @@ def pack_tensor(x: Tensor, storage: Storage) -> tuple[Tensor, ...]:
         return (x.to(torch.bfloat16),)
     bits = BITS[storage]
     flat = _flat(x, tensor_meta(x).channels_last)
+    key = next_key() if bits < 8 else 0
+    if _kernels_for(flat):
+        return cpu_kernels.quantize_groups(flat.contiguous(), bits, key)
+    return _quantize_reference(flat, bits, key)
+
+
+def _quantize_reference(flat: Tensor, bits: int, key: int) -> tuple[Tensor, Tensor, Tensor]:
     pad = -flat.numel() % GROUP
     if pad:
         flat = torch.cat([flat, flat[-1:].expand(pad)])
@@ -82,7 +99,7 @@ def pack_tensor(x: Tensor, storage: Storage) -> tuple[Tensor, ...]:
     scale = (groups.amax(dim=1, keepdim=True) - lo).clamp_min_(1e-20) / levels
     q = (groups - lo).div_(scale)
     if bits < 8:
-        q.add_(uniform_noise(q.numel(), next_key(), q.device).view_as(q)).floor_()
+        q.add_(uniform_noise(q.numel(), key, q.device).view_as(q)).floor_()
     else:
         q.round_()
     codes = q.clamp_(0, levels).to(torch.uint8)
@@ -102,6 +119,15 @@ def unpack_tensor(packed: tuple[Tensor, ...] | list[Tensor], storage: Storage, m
         return packed[0].to(meta.dtype)
     codes, lo, scale = packed
     bits = BITS[storage]
+    if meta.dtype.is_floating_point and _kernels_for(lo):
+        layout = torch.channels_last if meta.channels_last else torch.contiguous_format
+        out = torch.empty(meta.shape, dtype=meta.dtype, memory_format=layout)
+        cpu_kernels.dequantize_groups(codes, lo, scale, bits, flat_memory_order(out))
+        return out
+    return _dequantize_reference(codes, lo, scale, bits, meta)
+
+
+def _dequantize_reference(codes: Tensor, lo: Tensor, scale: Tensor, bits: int, meta: TensorMeta) -> Tensor:
     if bits < 8:
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
         codes = (codes.view(-1, 1) >> shifts) & ((1 << bits) - 1)

@@ -87,8 +87,8 @@ def save_checkpoint(path: Path, net: nn.Module, optimizer: torch.optim.Optimizer
 
 def restore_checkpoint(ckpt: dict[str, Any], cfg: DictConfig, net: nn.Module, optimizer: torch.optim.Optimizer,
                        scheduler: Any, scaler: torch.amp.GradScaler) -> tuple[int, list[dict[str, Any]], dict[str, int] | None]:
-    """Put a run back where ``ckpt`` left it: weights, optimizer, schedule, scaler, RNG, and the
-    adaptive map in force. Returns (epochs done, history, adaptive map)."""
+    """Put a run back where ``ckpt`` left it: weights, optimizer, schedule, scaler, RNG (with the
+    rounding noise's counter), and the adaptive map in force. Returns (epochs done, history, adaptive map)."""
     check_compatible(ckpt.get("config", {}), OmegaConf.to_container(cfg, resolve=True))
     net.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])

@@ -1,5 +1,9 @@
 """Seeds and RNG state: the per-epoch seed, process-wide seeding, and the RNG state a checkpoint
-carries (plain data and tensors, so checkpoints load with ``torch.load(weights_only=True)``)."""
+carries (plain data and tensors, so checkpoints load with ``torch.load(weights_only=True)``).
+
+The stochastic rounding of the b-bit storages draws its noise from the core's own counter-based
+stream (``lessmem.core.rounding``), not from torch's generator: a run seeds it with its seed, and
+a checkpoint carries its counter, so a resumed run rounds as the uninterrupted one would have."""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from lessmem.core import load_rounding_state, rounding_state, set_rounding_seed
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -27,16 +33,19 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+    set_rounding_seed(seed)
 
 
 def rng_state() -> dict[str, Any]:
-    """Every RNG's state as tensors, tuples and numbers (numpy's key array as a list of ints)."""
+    """Every RNG's state as tensors, tuples and numbers (numpy's key array as a list of ints), and
+    the rounding noise's (seed, calls so far)."""
     name, key, pos, has_gauss, gauss = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         "python": random.getstate(),
         "numpy": (name, key.tolist(), int(pos), int(has_gauss), float(gauss)),
+        "rounding": rounding_state(),
     }
 
 
@@ -48,3 +57,5 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     name, key, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((name, np.asarray(key, dtype=np.uint32), pos, has_gauss, gauss))
+    if "rounding" in state:  # checkpoints written before the rounding stream lack it
+        load_rounding_state(state["rounding"])

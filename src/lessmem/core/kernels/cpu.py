@@ -12,6 +12,9 @@ pool (AVX2 paths for float32 in the AVX2 build):
 - ``depthwise_weight_grad``: a depthwise conv's weight gradient from its block means, each
   channel expanded in cache (the pooled grid saves depthwise convs nothing; a full-size expanded
   copy costs more than the gradient).
+- ``quantize_groups`` / ``dequantize_groups``: the b-bit storages of ``storage`` (min, scale,
+  noise, rounding and packing per group of 128 in one pass, and back), bit-identical to its
+  torch reference.
 
 Same bit layout as ``functions.masks.pack_bits`` (element i of each group of 8, in memory order,
 in bit i). The C++ lives in ``csrc/``; ``cpu_build`` compiles it the first time a compressed model
@@ -109,3 +112,15 @@ def max_pool_compact(x: Tensor, kernel, stride, padding, dilation, out_hw) -> tu
 def max_pool_compact_backward(grad: Tensor, local: Tensor, kernel, stride, padding, dilation, in_hw) -> Tensor:
     return _module.max_pool_compact_backward(grad.contiguous(), local, *kernel, *stride, *padding, *dilation, *in_hw)
 
+
+
+def quantize_groups(flat: Tensor, bits: int, key: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(codes packed 8 // bits per byte, float32 min and scale per group of 128) of a 1-d
+    contiguous tensor; ``key`` seeds the rounding noise below 8 bits."""
+    return tuple(_module.quantize_groups(flat, bits, key))
+
+
+def dequantize_groups(codes: Tensor, lo: Tensor, scale: Tensor, bits: int, out: Tensor) -> Tensor:
+    """The values ``quantize_groups`` stored, written into ``out`` (1-d, contiguous, of the
+    original dtype and element count)."""
+    return _module.dequantize_groups(codes, lo, scale, bits, out)

@@ -26,11 +26,13 @@ from types import ModuleType
 import torch
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
-SOURCES = ("masks.cpp", "pooling.cpp", "maxpool.cpp", "depthwise.cpp", "bindings.cpp")
+SOURCES = ("masks.cpp", "pooling.cpp", "maxpool.cpp", "depthwise.cpp", "quantize.cpp", "bindings.cpp")
 HEADERS = ("lessmem_cpu.h",)
+# -ffp-contract=off: a * b + c stays two roundings (no FMA), as in the torch reference's separate
+# ops, so the kernels' float results are bit-identical to it
 ISA_FLAGS = {
-    "avx2": ("-O3", "-mavx2", "-mfma", "-fopenmp"),
-    "scalar": ("-O3", "-fopenmp"),
+    "avx2": ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"),
+    "scalar": ("-O3", "-ffp-contract=off", "-fopenmp"),
 }
 LINK_FLAGS = ("-fopenmp",)
 ISA_ENV = "LESSMEM_CPU_ISA"

@@ -10,4 +10,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("depthwise_weight_grad", &depthwise_weight_grad, "depthwise conv weight gradient from block means");
   m.def("max_pool_compact", &max_pool_compact, "max_pool2d and the uint8 argmax position in each window");
   m.def("max_pool_compact_backward", &max_pool_compact_backward, "gradient of max_pool_compact");
+  m.def("quantize_groups", &quantize_groups, "b-bit codes, min and scale of each group of 128 elements");
+  m.def("dequantize_groups", &dequantize_groups, "the values quantize_groups stored, into out");
 }

@@ -25,3 +25,7 @@ std::vector<at::Tensor> max_pool_compact(at::Tensor x, int64_t kh, int64_t kw, i
 at::Tensor max_pool_compact_backward(at::Tensor grad, at::Tensor local, int64_t kh, int64_t kw,
                                      int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh,
                                      int64_t dw, int64_t H, int64_t W);
+
+// quantize.cpp
+std::vector<at::Tensor> quantize_groups(at::Tensor x, int64_t bits, int64_t key);
+at::Tensor dequantize_groups(at::Tensor codes, at::Tensor lo, at::Tensor scale, int64_t bits, at::Tensor out);
