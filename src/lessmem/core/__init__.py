@@ -25,7 +25,7 @@ from lessmem.core.step_memory import (
     track_step_memory,
     training_step,
 )
-from lessmem.core.storage import STORAGES
+from lessmem.core.storage import STORAGES, describe_storage
 
 __all__ = [
     "FIXED_MMAP_ENV",
@@ -39,6 +39,7 @@ __all__ = [
     "compressed_layers",
     "compressible_layers",
     "coverage",
+    "describe_storage",
     "expand_blocks",
     "first_match",
     "load_rounding_state",

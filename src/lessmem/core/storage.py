@@ -49,6 +49,18 @@ def is_stochastic(storage: str) -> bool:
     return BITS.get(storage, 8) < 8
 
 
+def describe_storage(storage: str) -> str:
+    """One line on what ``storage`` keeps (``lessmem-info`` lists the menu with these)."""
+    if storage == "native":
+        return "the tensor itself (exact)"
+    if storage == "bf16":
+        return "a bfloat16 copy (16 bits per element)"
+    bits = BITS[check_storage(storage)]
+    rounding = "rounded to nearest" if bits == 8 else "stochastic unbiased rounding, seeded by the run"
+    return (f"{bits}-bit codes, min and scale per {GROUP} elements in memory order "
+            f"({bits + RANGE_BYTES * 8 / GROUP:g} bits per element), {rounding}")
+
+
 def stored_bytes(numel: int, storage: str, element_size: int) -> int:
     """Bytes ``pack_tensor`` keeps for a tensor of ``numel`` elements of ``element_size`` bytes."""
     if storage == "native":
