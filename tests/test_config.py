@@ -9,6 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from lessmem.core import STORAGES
 from lessmem.experiment.compression import resolve_compression
 from lessmem.experiment.data import build_datasets, build_loaders
 from lessmem.experiment.loggers import CsvLogger, Logger, build_logger
@@ -218,9 +219,12 @@ def test_lessmem_info_lists_choices(capsys: pytest.CaptureFixture[str]) -> None:
     for name in ("resnet20", "vit_tiny_cifar", "pool2", "paper_resnet18", "synthetic", "adamw", "cosine",
                  "wandb", "cpu_quick", "slurm_gpu", str(conf_dir())):
         assert name in out, name
+    # the spec syntax of map values, with every storage
+    assert "k/STORAGE" in out and all(f"  {storage}  " in out for storage in STORAGES)
     assert main(["--json", "compression"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert set(info["groups"]) == {"compression"} and "pool4" in info["groups"]["compression"]
+    assert tuple(info["storages"]) == STORAGES and "khxkw" in info["spec_syntax"]
     assert set(MODELS) == set(info["architectures"])
     assert main(["nope"]) == 2 and "unknown group" in capsys.readouterr().err
 

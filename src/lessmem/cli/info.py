@@ -4,10 +4,11 @@
     lessmem-info compression     # one config group (model, compression, dataset, optimizer, ...)
     lessmem-info --json          # machine-readable
 
-Lists the model architectures of the registry (``lessmem.models.MODELS``, ``model.name=...``)
-and every option of each config group (``GROUP=OPTION`` on the ``lessmem-train`` command line)
+Lists the model architectures of the registry (``lessmem.models.MODELS``, ``model.name=...``),
+every option of each config group (``GROUP=OPTION`` on the ``lessmem-train`` command line)
 with its description: the first line of the file's leading comment, one full sentence (further
-comment lines give details).
+comment lines give details), and what a compression map's values may say (``SPEC_SYNTAX``, and
+the storages of ``lessmem.core.STORAGES``).
 """
 
 from __future__ import annotations
@@ -20,10 +21,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lessmem.core import STORAGES, describe_storage
 from lessmem.experiment import conf_dir, default_data_root, resolve_path
 
 GROUPS = ("model", "compression", "dataset", "optimizer", "scheduler", "logger", "experiment",
           "hydra/launcher")
+# The forms of a compression map value (lessmem.core.parse_spec), each with what it keeps.
+SPEC_SYNTAX = {
+    "k": "pool the saved input k x k (1: the stock layer, exact)",
+    "khxkw": "pool kh x kw (e.g. 2x4)",
+    "k/STORAGE": "pool k x k and keep the pooled copy in STORAGE (also khxkw/STORAGE)",
+    "STORAGE": "no pooling (kernel 1), the input kept in STORAGE",
+}
 
 
 def _describe(path: Path) -> str:
@@ -62,6 +71,8 @@ def available() -> dict[str, Any]:
         "cifar10_found": (cifar / "train").is_dir(),
         "architectures": sorted(MODELS),
         "groups": config_options(),
+        "spec_syntax": SPEC_SYNTAX,
+        "storages": {storage: describe_storage(storage) for storage in STORAGES},
     }
 
 
@@ -86,7 +97,23 @@ def render(info: dict[str, Any], groups: Sequence[str] = ()) -> str:
         lines.append(f"  {group}:")
         width = max((len(o) for o in options), default=0)
         lines += [f"    {o.ljust(width)}  {d}".rstrip() for o, d in options.items()]
+    if not groups or "compression" in groups:
+        lines += ["", *_spec_lines(info)]
     return "\n".join(lines)
+
+
+def _spec_lines(info: dict[str, Any]) -> list[str]:
+    """How a compression map's values read: {PATTERN: SPEC}, in a compression config or map file,
+    or ``++compression.map.NAME=SPEC`` on the command line (a new name goes after the preset's
+    patterns, so a preset's ``*`` matches first)."""
+    width = max(len(k) for k in (*info["spec_syntax"], *info["storages"]))
+    return [
+        "compression map values ({PATTERN: SPEC}, first matching pattern wins; "
+        "++compression.map.NAME=SPEC on the command line adds or replaces one, new names last):",
+        *[f"  {form.ljust(width)}  {text}" for form, text in info["spec_syntax"].items()],
+        "storages:",
+        *[f"  {storage.ljust(width)}  {text}" for storage, text in info["storages"].items()],
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

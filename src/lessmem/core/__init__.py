@@ -28,6 +28,7 @@ from lessmem.core.step_memory import (
 from lessmem.core.storage import (
     STORAGES,
     TensorMeta,
+    describe_storage,
     pack_tensor,
     stored_bytes,
     tensor_meta,
@@ -47,6 +48,7 @@ __all__ = [
     "compressed_layers",
     "compressible_layers",
     "coverage",
+    "describe_storage",
     "expand_blocks",
     "first_match",
     "load_rounding_state",

@@ -49,6 +49,18 @@ def is_stochastic(storage: str) -> bool:
     return BITS.get(storage, 8) < 8
 
 
+def describe_storage(storage: str) -> str:
+    """One line on what ``storage`` keeps (``lessmem-info`` lists the menu with these)."""
+    if storage == "native":
+        return "the tensor itself (exact)"
+    if storage == "bf16":
+        return "a bfloat16 copy (16 bits per element)"
+    bits = BITS[check_storage(storage)]
+    rounding = "rounded to nearest" if bits == 8 else "stochastic unbiased rounding, seeded by the run"
+    return (f"{bits}-bit codes, min and scale per {GROUP} elements in memory order "
+            f"({bits + RANGE_BYTES * 8 / GROUP:g} bits per element), {rounding}")
+
+
 def stored_bytes(numel: int, storage: str, element_size: int) -> int:
     """Bytes ``pack_tensor`` keeps for a tensor of ``numel`` elements of ``element_size`` bytes."""
     if storage == "native":
@@ -69,12 +81,6 @@ def _flat(x: Tensor, channels_last: bool) -> Tensor:
     return (x.permute(0, 2, 3, 1) if channels_last else x).reshape(-1)
 
 
-def _kernels_for(t: Tensor) -> bool:
-    """Whether the fused C++ kernels take this CPU tensor (else the torch reference below, which
-    they match bit for bit)."""
-    return cpu_kernels.enabled_for(t)
-
-
 def pack_tensor(x: Tensor, storage: Storage) -> tuple[Tensor, ...]:
     """The tensors that stand for ``x`` in ``storage``: (x,), (bf16 copy,), or (codes, min, scale)."""
     if storage == "native":
@@ -84,7 +90,7 @@ def pack_tensor(x: Tensor, storage: Storage) -> tuple[Tensor, ...]:
     bits = BITS[storage]
     flat = _flat(x, tensor_meta(x).channels_last)
     key = next_key() if bits < 8 else 0
-    if _kernels_for(flat):
+    if cpu_kernels.enabled_for(flat):  # one fused pass, the reference's bits
         return cpu_kernels.quantize_groups(flat.contiguous(), bits, key)
     return _quantize_reference(flat, bits, key)
 
@@ -119,7 +125,7 @@ def unpack_tensor(packed: tuple[Tensor, ...] | list[Tensor], storage: Storage, m
         return packed[0].to(meta.dtype)
     codes, lo, scale = packed
     bits = BITS[storage]
-    if meta.dtype.is_floating_point and _kernels_for(lo):
+    if meta.dtype.is_floating_point and cpu_kernels.enabled_for(lo):
         layout = torch.channels_last if meta.channels_last else torch.contiguous_format
         out = torch.empty(meta.shape, dtype=meta.dtype, memory_format=layout)
         cpu_kernels.dequantize_groups(codes, lo, scale, bits, flat_memory_order(out))
