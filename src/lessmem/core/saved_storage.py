@@ -1,0 +1,193 @@
+"""``saved_storage``: lossy storage for every other full-size tensor autograd saves inside chosen
+modules (LayerNorm / RMSNorm inputs, attention's q, k, v and output, elementwise products, ...),
+a generic fallback in the spirit of GACT.
+
+A chosen module's forward runs inside ``torch.autograd.graph.saved_tensors_hooks`` (entered by a
+forward pre-hook, left by a forward hook that runs even when forward raises). The pack hook stores
+a floating tensor of at least ``MIN_ELEMENTS`` elements with ``storage.pack_tensor``; unpack
+decodes it. Lossy for anything but ``"native"``: backward then runs on decoded values, so every
+gradient upstream of the module becomes approximate (the forward stays exact).
+
+Left alone (handed on unchanged):
+- tensors without autograd history, or views / casts of one: parameters, buffers, the input
+  batch, and everything lessmem's own Functions create in forward (pooled copies, masks, packed
+  codes), since an autograd Function's forward runs without grad;
+- small or non-floating tensors, and bf16 storage of a tensor already 2 bytes wide.
+
+One stored copy per storage: tensors spanning one whole storage saved by several ops (a norm's
+input saved by two of its ops; attention's output and the out-projection's reference to it)
+share one packed copy of the storage, decoded and viewed again in backward; the first save
+decides the storage. A tensor covering part of its storage (q, k, v split from one projection)
+is packed alone.
+
+Saved-tensor hooks do not stack (the innermost pushed wins), so each context hands what it keeps
+(the packed parts, or the tensor left alone) to the hooks that were active outside the
+outermost lessmem context, and takes them back from there: a byte count's hooks
+(``measure_memory``, ``coverage``) or checkpointing's see the packed bytes themselves. Nested
+chosen modules: the innermost module's rule wins.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from lessmem.core.functions.kept_input import VIEW_OPS
+from lessmem.core.memory import byte_range
+from lessmem.core.storage import Storage, TensorMeta, pack_tensor, tensor_meta, unpack_tensor
+
+MIN_ELEMENTS = 2**12
+# Where a module keeps its storage, its hooks' ids and its stack of entered contexts.
+HOOK_IDS_ATTR = "_lessmem_saved_storage_hooks"
+STORAGE_ATTR = "lessmem_saved_storage"
+_CONTEXTS_ATTR = "_lessmem_saved_storage_contexts"
+# Ops through which a tensor is still its source's data: a view or a dtype cast (autocast's copy of a weight).
+_SAME_DATA_OPS = VIEW_OPS | {"ToCopy"}
+Hooks = tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]]
+
+
+@dataclass
+class _Stored:
+    """One packed copy (of a whole storage, or of a single tensor), as the outer hooks keep it."""
+
+    parts: tuple[Any, ...]
+    storage: Storage
+    meta: TensorMeta
+    outer_unpack: Callable[[Any], Tensor] | None
+    decoded: Callable[[], Tensor | None] = field(default=lambda: None)  # weak: shared during one backward
+
+    def decode(self) -> Tensor:
+        values = self.decoded()
+        if values is None:
+            parts = [p if self.outer_unpack is None else self.outer_unpack(p) for p in self.parts]
+            values = unpack_tensor(parts, self.storage, self.meta)
+            self.decoded = weakref.ref(values)
+        return values
+
+
+@dataclass
+class _View:
+    """A saved tensor as a view of a packed whole storage."""
+
+    stored: _Stored
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+# (device, storage address, version) -> (weak base tensor, weak packed copy): saves of the same
+# data share one copy while both are alive.
+_shared: dict[tuple[str, int, int], tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _from_leaf(t: Tensor) -> bool:
+    """Whether ``t`` is a leaf, or reached from one through views and casts only."""
+    node = t.grad_fn
+    while node is not None:
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            return True
+        op = name.split("Backward")[0]
+        if op not in _SAME_DATA_OPS or not node.next_functions:
+            return False
+        node = node.next_functions[0][0]
+    return True
+
+
+def _eligible(t: Tensor, storage: str) -> bool:
+    return (
+        t.is_floating_point()
+        and t.layout == torch.strided
+        and t.numel() >= MIN_ELEMENTS
+        and not (storage == "bf16" and t.element_size() <= 2)
+        and not _from_leaf(t)
+    )
+
+
+class _Hooks:
+    """The pack / unpack pair of one entered context; ``outer`` are the hooks it hands on to."""
+
+    def __init__(self, storage: Storage, outer: Hooks | None) -> None:
+        self.storage = storage
+        self.outer = outer
+
+    def _outer_pack(self, t: Tensor) -> Any:
+        return t if self.outer is None else self.outer[0](t)
+
+    def pack(self, t: Tensor) -> Any:
+        if self.storage == "native" or not _eligible(t, self.storage):
+            return self._outer_pack(t)
+        storage = t.untyped_storage()
+        whole = storage.nbytes() // t.element_size()
+        if t.numel() < whole or byte_range(t) != (0, storage.nbytes()):
+            return self._pack(t)  # part of a storage: packed alone (the rest may be unset memory)
+        key = (str(t.device), storage.data_ptr(), t._version)
+        base = t if t._base is None else t._base
+        hit = _shared.get(key)
+        stored = hit[1]() if hit is not None and hit[0]() is base else None
+        if stored is None:
+            with torch.no_grad():
+                flat = t.as_strided((whole,), (1,), 0)
+            stored = self._pack(flat)
+            _shared[key] = (weakref.ref(base), weakref.ref(stored))
+        return _View(stored, tuple(t.shape), t.stride(), t.storage_offset())
+
+    def _pack(self, t: Tensor) -> _Stored:
+        parts = tuple(self._outer_pack(p) for p in pack_tensor(t.detach(), self.storage))
+        return _Stored(parts, self.storage, tensor_meta(t), None if self.outer is None else self.outer[1])
+
+    def unpack(self, packed: Any) -> Tensor:
+        if isinstance(packed, _View):
+            return packed.stored.decode().as_strided(packed.size, packed.stride, packed.offset)
+        if isinstance(packed, _Stored):
+            return packed.decode()
+        return packed if self.outer is None else self.outer[1](packed)
+
+
+def _enter(module: nn.Module, args: object) -> None:
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    ours = getattr(top[0], "__self__", None) if top is not None else None
+    outer = ours.outer if isinstance(ours, _Hooks) else top
+    hooks = _Hooks(module.__dict__[STORAGE_ATTR], outer)
+    context = saved_tensors_hooks(hooks.pack, hooks.unpack)
+    context.__enter__()
+    module.__dict__.setdefault(_CONTEXTS_ATTR, []).append(context)
+    if len(_shared) > 4096:
+        _prune()
+
+
+def _leave(module: nn.Module, args: object, output: object) -> None:
+    module.__dict__[_CONTEXTS_ATTR].pop().__exit__(None, None, None)
+
+
+def _prune() -> None:
+    """Drop entries whose packed copy or source is gone."""
+    for key in [k for k, (base, stored) in _shared.items() if base() is None or stored() is None]:
+        del _shared[key]
+
+
+def attach(module: nn.Module, storage: Storage) -> None:
+    """Run ``module``'s forward with its saved tensors kept in ``storage`` (``"native"``: unchanged,
+    which shields it from an enclosing module's lossy rule)."""
+    pre = module.register_forward_pre_hook(_enter)
+    post = module.register_forward_hook(_leave, always_call=True)
+    module.__dict__[STORAGE_ATTR] = storage
+    module.__dict__[HOOK_IDS_ATTR] = (pre.id, post.id)
+
+
+def detach(module: nn.Module) -> None:
+    """Undo ``attach`` (nothing when it was not attached). By hook id, not by handle: a handle of
+    a deep-copied module would still point at the original's hook tables."""
+    ids = module.__dict__.pop(HOOK_IDS_ATTR, None)
+    if ids is not None:
+        module._forward_pre_hooks.pop(ids[0], None)
+        module._forward_hooks.pop(ids[1], None)
+        module._forward_hooks_always_called.pop(ids[1], None)
+    module.__dict__.pop(STORAGE_ATTR, None)
+    module.__dict__.pop(_CONTEXTS_ATTR, None)
