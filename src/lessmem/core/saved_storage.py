@@ -9,16 +9,16 @@ decodes it. Lossy for anything but ``"native"``: backward then runs on decoded v
 gradient upstream of the module becomes approximate (the forward stays exact).
 
 Left alone (handed on unchanged):
-- tensors without autograd history, or views / casts of one: parameters, buffers, the input
-  batch, and everything lessmem's own Functions create in forward (pooled copies, masks, packed
-  codes), since an autograd Function's forward runs without grad;
+- parameters, tensors without autograd history, and views / casts of either: buffers, the
+  input batch, and everything lessmem's own Functions create in forward (pooled copies, masks,
+  packed codes), since an autograd Function's forward runs without grad;
 - small or non-floating tensors, and bf16 storage of a tensor already 2 bytes wide.
 
 One stored copy per storage: tensors spanning one whole storage saved by several ops (a norm's
 input saved by two of its ops; attention's output and the out-projection's reference to it)
 share one packed copy of the storage, decoded and viewed again in backward; the first save
-decides the storage. A tensor covering part of its storage (q, k, v split from one projection)
-is packed alone.
+decides the storage, and a tensor a ``"native"`` module saved first stays a plain reference.
+A tensor covering part of its storage (q, k, v split from one projection) is packed alone.
 
 Saved-tensor hooks do not stack (the innermost pushed wins), so each context hands what it keeps
 (the packed parts, or the tensor left alone) to the hooks that were active outside the
@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from lessmem.core.functions.kept_input import VIEW_OPS
-from lessmem.core.memory import byte_range
+from lessmem.core.memory import byte_range, storage_key
 from lessmem.core.storage import Storage, TensorMeta, pack_tensor, tensor_meta, unpack_tensor
 
 MIN_ELEMENTS = 2**12
@@ -65,8 +65,10 @@ class _Stored:
     def decode(self) -> Tensor:
         values = self.decoded()
         if values is None:
-            parts = [p if self.outer_unpack is None else self.outer_unpack(p) for p in self.parts]
-            values = unpack_tensor(parts, self.storage, self.meta)
+            if self.outer_unpack is not None:  # once: checkpointing's hooks unpack a tensor only once
+                self.parts = tuple(self.outer_unpack(p) for p in self.parts)
+                self.outer_unpack = None
+            values = unpack_tensor(self.parts, self.storage, self.meta)
             self.decoded = weakref.ref(values)
         return values
 
@@ -81,23 +83,37 @@ class _View:
     offset: int
 
 
-# (device, storage address, version) -> (weak base tensor, weak packed copy): saves of the same
-# data share one copy while both are alive.
-_shared: dict[tuple[str, int, int], tuple[weakref.ref, weakref.ref]] = {}
+# (device, storage address, version, outer hooks) -> (weak base tensor, weak packed copy, or None where a
+# native module kept it as it is): saves of the same data share one copy while both are alive.
+_shared: dict[tuple[str, int, int, int], tuple[weakref.ref, weakref.ref | None]] = {}
+# (device, storage address) of each packed part -> (weak part, storage): how coverage names them.
+_parts: dict[tuple[str, int], tuple[weakref.ref, str]] = {}
 
 
-def _from_leaf(t: Tensor) -> bool:
-    """Whether ``t`` is a leaf, or reached from one through views and casts only."""
+def packed_storage_of(key: tuple[str, int]) -> str | None:
+    """The storage a live packed part at ``key`` (``memory.storage_key``) stands in, or None."""
+    entry = _parts.get(key)
+    if entry is None:
+        return None
+    part = entry[0]()
+    return entry[1] if part is not None and storage_key(part) == key else None
+
+
+def _held_elsewhere(t: Tensor) -> bool:
+    """Whether ``t`` is a parameter, a tensor without autograd history (buffer, input batch,
+    constant, anything made inside an autograd Function's forward), or a view / cast of one."""
+    if t.grad_fn is None:
+        return not t.requires_grad or isinstance(t, nn.Parameter)
     node = t.grad_fn
-    while node is not None:
+    while True:
         name = type(node).__name__
         if name == "AccumulateGrad":
-            return True
-        op = name.split("Backward")[0]
-        if op not in _SAME_DATA_OPS or not node.next_functions:
+            return isinstance(node.variable, nn.Parameter)
+        if name.split("Backward")[0] not in _SAME_DATA_OPS or not node.next_functions:
             return False
         node = node.next_functions[0][0]
-    return True
+        if node is None:
+            return True
 
 
 def _eligible(t: Tensor, storage: str) -> bool:
@@ -106,7 +122,7 @@ def _eligible(t: Tensor, storage: str) -> bool:
         and t.layout == torch.strided
         and t.numel() >= MIN_ELEMENTS
         and not (storage == "bf16" and t.element_size() <= 2)
-        and not _from_leaf(t)
+        and not _held_elsewhere(t)
     )
 
 
@@ -121,16 +137,25 @@ class _Hooks:
         return t if self.outer is None else self.outer[0](t)
 
     def pack(self, t: Tensor) -> Any:
-        if self.storage == "native" or not _eligible(t, self.storage):
+        if not _eligible(t, self.storage):
             return self._outer_pack(t)
         storage = t.untyped_storage()
         whole = storage.nbytes() // t.element_size()
         if t.numel() < whole or byte_range(t) != (0, storage.nbytes()):
-            return self._pack(t)  # part of a storage: packed alone (the rest may be unset memory)
-        key = (str(t.device), storage.data_ptr(), t._version)
+            # part of a storage: packed alone (the rest may be unset memory)
+            return self._outer_pack(t) if self.storage == "native" else self._pack(t)
+        # Shared only under the same outer hooks: a checkpointed region must save alike when recomputed.
+        key = (str(t.device), storage.data_ptr(), t._version, id(self.outer[0]) if self.outer else 0)
         base = t if t._base is None else t._base
         hit = _shared.get(key)
-        stored = hit[1]() if hit is not None and hit[0]() is base else None
+        live = hit is not None and hit[0]() is base
+        if live and hit[1] is None:  # kept as it is by a native module: a reference costs nothing more
+            return self._outer_pack(t)
+        if self.storage == "native":
+            if not live:
+                _shared[key] = (weakref.ref(base), None)
+            return self._outer_pack(t)
+        stored = hit[1]() if live else None
         if stored is None:
             with torch.no_grad():
                 flat = t.as_strided((whole,), (1,), 0)
@@ -139,7 +164,10 @@ class _Hooks:
         return _View(stored, tuple(t.shape), t.stride(), t.storage_offset())
 
     def _pack(self, t: Tensor) -> _Stored:
-        parts = tuple(self._outer_pack(p) for p in pack_tensor(t.detach(), self.storage))
+        packed = pack_tensor(t.detach(), self.storage)
+        for p in packed:
+            _parts[storage_key(p)] = (weakref.ref(p), self.storage)
+        parts = tuple(self._outer_pack(p) for p in packed)
         return _Stored(parts, self.storage, tensor_meta(t), None if self.outer is None else self.outer[1])
 
     def unpack(self, packed: Any) -> Tensor:
@@ -158,7 +186,7 @@ def _enter(module: nn.Module, args: object) -> None:
     context = saved_tensors_hooks(hooks.pack, hooks.unpack)
     context.__enter__()
     module.__dict__.setdefault(_CONTEXTS_ATTR, []).append(context)
-    if len(_shared) > 4096:
+    if len(_shared) + len(_parts) > 4096:
         _prune()
 
 
@@ -167,9 +195,11 @@ def _leave(module: nn.Module, args: object, output: object) -> None:
 
 
 def _prune() -> None:
-    """Drop entries whose packed copy or source is gone."""
-    for key in [k for k, (base, stored) in _shared.items() if base() is None or stored() is None]:
+    """Drop entries whose packed copy, source or part is gone."""
+    for key in [k for k, (base, stored) in _shared.items() if base() is None or (stored and stored() is None)]:
         del _shared[key]
+    for key in [k for k, (part, _) in _parts.items() if part() is None]:
+        del _parts[key]
 
 
 def attach(module: nn.Module, storage: Storage) -> None:
