@@ -127,7 +127,7 @@ def table(rows: list[Row], header: str) -> str:
         before, target = ISSUE_RATIOS.get(r.model), TARGETS.get(r.model)
         lines.append(f"| {r.model} | {r.stock_mib:.1f} | {r.exact_ratio:.3f} | {cell(before, '{:.3f}'.format)} | "
                      f"{cell(target, '<= {:.2f}'.format)} | {r.exact_cosine:.4f} | {r.lossy_ratio:.3f} | "
-                     f"{r.lossy_cosine:.4f} | {r.lossy_vs_exact:.4f} |")
+                     f"{r.lossy_cosine:.4f} | {r.lossy_vs_exact:.6f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -143,7 +143,7 @@ def main() -> None:
         rows.append(measure_row(name, args.batch, args.tokens))
         r = rows[-1]
         print(f"{name}: exact {r.exact_ratio:.3f} (cosine {r.exact_cosine:.4f}), lossy 8-bit {r.lossy_ratio:.3f} "
-              f"(cosine {r.lossy_cosine:.4f}, {r.lossy_vs_exact:.4f} to exact)", flush=True)
+              f"(cosine {r.lossy_cosine:.4f}, {r.lossy_vs_exact:.6f} to exact)", flush=True)
     header = (f"Saved bytes, stock vs `lessmem.compress(m, {{\"*\": 2}})` (exact mode) and the same map with "
               f"`act_storage`, `norm_storage`, `saved_storage` all `\"int8\"` (lossy 8-bit), CPU fp32, batch "
               f"{args.batch}, images 224 px, text {args.tokens} tokens; cosine: whole parameter gradient vs "

@@ -89,8 +89,8 @@ def compress(
             module = model.get_submodule(name)
             _swap(module, stored_class_of(module))
             module.lessmem_storage = storage
-    for name, storage in _saved_storage_choices(model, saved_storage).items():
-        attach(model.get_submodule(name), storage)
+    for name, (storage, in_layer) in _saved_storage_choices(model, saved_storage).items():
+        attach(model.get_submodule(name), storage, in_layer=in_layer, is_model=not name)
     return model
 
 
@@ -122,10 +122,11 @@ def _storage_choices(
     return chosen
 
 
-def _saved_storage_choices(model: nn.Module, storage_rule: str | Mapping[str, str]) -> dict[str, str]:
-    """Name -> storage of each module whose saved tensors ``storage_rule`` (one storage, or
-    ``{pattern: storage}``, first match wins) keeps other than its enclosing module does: only
-    where the rule changes does a module need hooks of its own."""
+def _saved_storage_choices(model: nn.Module, storage_rule: str | Mapping[str, str]) -> dict[str, tuple[str, bool]]:
+    """Name -> (storage, is one of lessmem's layers) of each module that needs ``saved_storage``
+    hooks of its own: where ``storage_rule`` (one storage, or ``{pattern: storage}``, first match
+    wins, the innermost matched module's rule applies) changes the storage, lessmem's layers in
+    a lossy region, and the model itself (whose inputs are held). None when nothing is lossy."""
     rules = {"*": storage_rule} if isinstance(storage_rule, str) else dict(storage_rule)
     for storage in rules.values():
         check_storage(str(storage))
@@ -136,14 +137,17 @@ def _saved_storage_choices(model: nn.Module, storage_rule: str | Mapping[str, st
             raise ValueError(f"saved_storage pattern {pattern!r} matches no module name; have {listed}, ... "
                              f"({len(names) - 1} modules, '' is the model itself)")
     effective: dict[str, str] = {}
-    chosen: dict[str, str] = {}
-    for name in names:
+    chosen: dict[str, tuple[str, bool]] = {}
+    for name, module in model.named_modules():
         parent = effective.get(name.rpartition(".")[0], "native") if name else "native"
         pattern = first_match(name, rules)
-        effective[name] = str(rules[pattern]) if pattern is not None else parent
-        if effective[name] != parent:
-            chosen[name] = effective[name]
-    return chosen
+        storage = effective[name] = str(rules[pattern]) if pattern is not None else parent
+        in_layer = ORIGINAL_CLASS_ATTR in module.__dict__ and storage != "native"
+        if in_layer or storage != parent:
+            chosen[name] = (storage, in_layer)
+    if not chosen:
+        return {}
+    return {"": (effective[""], False)} | chosen
 
 
 def uncompress(model: nn.Module) -> nn.Module:

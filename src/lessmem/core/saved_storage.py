@@ -40,12 +40,19 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from lessmem.core.functions.kept_input import VIEW_OPS
 from lessmem.core.memory import byte_range, storage_key
-from lessmem.core.storage import Storage, TensorMeta, pack_tensor, tensor_meta, unpack_tensor
+from lessmem.core.storage import (
+    Storage,
+    TensorMeta,
+    pack_tensor,
+    stored_bytes,
+    tensor_meta,
+    unpack_tensor,
+)
 
 MIN_ELEMENTS = 2**12
 # Where a module keeps its storage, its hooks' ids and its stack of entered contexts.
 HOOK_IDS_ATTR = "_lessmem_saved_storage_hooks"
-STORAGE_ATTR = "lessmem_saved_storage"
+RULE_ATTR = "_lessmem_saved_storage"
 _CONTEXTS_ATTR = "_lessmem_saved_storage_contexts"
 # Ops through which a tensor is still its source's data: a view or a dtype cast (autocast's copy of a weight).
 _SAME_DATA_OPS = VIEW_OPS | {"ToCopy"}
@@ -99,51 +106,57 @@ def packed_storage_of(key: tuple[str, int]) -> str | None:
     return entry[1] if part is not None and storage_key(part) == key else None
 
 
-def _held_elsewhere(t: Tensor) -> bool:
-    """Whether ``t`` is a parameter, a tensor without autograd history (buffer, input batch,
-    constant, anything made inside an autograd Function's forward), or a view / cast of one."""
-    if t.grad_fn is None:
-        return not t.requires_grad or isinstance(t, nn.Parameter)
+def _is_parameter(t: Tensor) -> bool:
+    """Whether ``t`` is a parameter, or a view / cast of one (autocast's copy of a weight)."""
+    if isinstance(t if t._base is None else t._base, nn.Parameter):
+        return True
     node = t.grad_fn
-    while True:
+    while node is not None:
         name = type(node).__name__
         if name == "AccumulateGrad":
             return isinstance(node.variable, nn.Parameter)
         if name.split("Backward")[0] not in _SAME_DATA_OPS or not node.next_functions:
             return False
         node = node.next_functions[0][0]
-        if node is None:
-            return True
-
-
-def _eligible(t: Tensor, storage: str) -> bool:
-    return (
-        t.is_floating_point()
-        and t.layout == torch.strided
-        and t.numel() >= MIN_ELEMENTS
-        and not (storage == "bf16" and t.element_size() <= 2)
-        and not _held_elsewhere(t)
-    )
+    return False
 
 
 class _Hooks:
-    """The pack / unpack pair of one entered context; ``outer`` are the hooks it hands on to."""
+    """The pack / unpack pair of one entered context; ``outer`` are the hooks it hands on to,
+    ``held`` the storages of the model's inputs (the caller holds them: a copy would add bytes),
+    ``in_layer`` whether the module is one of lessmem's own layers (what it made without autograd
+    history, pooled copies and packed codes, is stored already)."""
 
-    def __init__(self, storage: Storage, outer: Hooks | None) -> None:
+    def __init__(self, storage: Storage, outer: Hooks | None, held: frozenset, in_layer: bool) -> None:
         self.storage = storage
         self.outer = outer
+        self.held = held
+        self.in_layer = in_layer
+
+    def _left_alone(self, t: Tensor) -> bool:
+        return (
+            not t.is_floating_point()
+            or t.layout != torch.strided
+            or t.numel() < MIN_ELEMENTS
+            or (self.storage == "bf16" and t.element_size() <= 2)
+            or (self.in_layer and t.grad_fn is None and not t.requires_grad)
+            or storage_key(t) in self.held
+            or _is_parameter(t)
+        )
 
     def _outer_pack(self, t: Tensor) -> Any:
         return t if self.outer is None else self.outer[0](t)
 
     def pack(self, t: Tensor) -> Any:
-        if not _eligible(t, self.storage):
+        if self._left_alone(t):
             return self._outer_pack(t)
         storage = t.untyped_storage()
         whole = storage.nbytes() // t.element_size()
         if t.numel() < whole or byte_range(t) != (0, storage.nbytes()):
-            # part of a storage: packed alone (the rest may be unset memory)
-            return self._outer_pack(t) if self.storage == "native" else self._pack(t)
+            # Part of a storage (the rest may be unset memory), or an expanded view: packed alone
+            # where that is smaller than the storage it would otherwise keep.
+            smaller = stored_bytes(t.numel(), self.storage, t.element_size()) < storage.nbytes()
+            return self._pack(t) if smaller and self.storage != "native" else self._outer_pack(t)
         # Shared only under the same outer hooks: a checkpointed region must save alike when recomputed.
         key = (str(t.device), storage.data_ptr(), t._version, id(self.outer[0]) if self.outer else 0)
         base = t if t._base is None else t._base
@@ -178,16 +191,29 @@ class _Hooks:
         return packed if self.outer is None else self.outer[1](packed)
 
 
-def _enter(module: nn.Module, args: object) -> None:
+def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     ours = getattr(top[0], "__self__", None) if top is not None else None
-    outer = ours.outer if isinstance(ours, _Hooks) else top
-    hooks = _Hooks(module.__dict__[STORAGE_ATTR], outer)
+    outer, held = (ours.outer, ours.held) if isinstance(ours, _Hooks) else (top, frozenset())
+    storage, in_layer, is_model = module.__dict__[RULE_ATTR]
+    if is_model:
+        held = held | {storage_key(t) for t in _tensors((args, kwargs))}
+    hooks = _Hooks(storage, outer, held, in_layer)
     context = saved_tensors_hooks(hooks.pack, hooks.unpack)
     context.__enter__()
     module.__dict__.setdefault(_CONTEXTS_ATTR, []).append(context)
     if len(_shared) + len(_parts) > 4096:
         _prune()
+
+
+def _tensors(value: object) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
 
 
 def _leave(module: nn.Module, args: object, output: object) -> None:
@@ -202,12 +228,13 @@ def _prune() -> None:
         del _parts[key]
 
 
-def attach(module: nn.Module, storage: Storage) -> None:
+def attach(module: nn.Module, storage: Storage, *, in_layer: bool = False, is_model: bool = False) -> None:
     """Run ``module``'s forward with its saved tensors kept in ``storage`` (``"native"``: unchanged,
-    which shields it from an enclosing module's lossy rule)."""
-    pre = module.register_forward_pre_hook(_enter)
+    which shields it from an enclosing module's lossy rule). ``in_layer``: the module is one of
+    lessmem's own layers; ``is_model``: it is the model called by the user, whose inputs are held."""
+    pre = module.register_forward_pre_hook(_enter, with_kwargs=True)
     post = module.register_forward_hook(_leave, always_call=True)
-    module.__dict__[STORAGE_ATTR] = storage
+    module.__dict__[RULE_ATTR] = (storage, in_layer, is_model)
     module.__dict__[HOOK_IDS_ATTR] = (pre.id, post.id)
 
 
@@ -219,5 +246,5 @@ def detach(module: nn.Module) -> None:
         module._forward_pre_hooks.pop(ids[0], None)
         module._forward_hooks.pop(ids[1], None)
         module._forward_hooks_always_called.pop(ids[1], None)
-    module.__dict__.pop(STORAGE_ATTR, None)
+    module.__dict__.pop(RULE_ATTR, None)
     module.__dict__.pop(_CONTEXTS_ATTR, None)
