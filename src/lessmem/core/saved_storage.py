@@ -9,22 +9,29 @@ decodes it. Lossy for anything but ``"native"``: backward then runs on decoded v
 gradient upstream of the module becomes approximate (the forward stays exact).
 
 Left alone (handed on unchanged):
-- parameters, tensors without autograd history, and views / casts of either: buffers, the
-  input batch, and everything lessmem's own Functions create in forward (pooled copies, masks,
-  packed codes), since an autograd Function's forward runs without grad;
+- parameters and their views / casts (autocast's copy of a weight);
+- the model's inputs and their views, when the model itself is called (the caller holds them:
+  a copy would add bytes);
+- inside lessmem's own layers, what they made without autograd history (pooled copies, masks,
+  packed codes: an autograd Function's forward runs without grad), which is stored already;
 - small or non-floating tensors, and bf16 storage of a tensor already 2 bytes wide.
+Packed too: constants made in forward (dropout masks, rotary tables). Not recognised: a
+module's buffers saved as they are (rare, and small in the models measured).
 
 One stored copy per storage: tensors spanning one whole storage saved by several ops (a norm's
 input saved by two of its ops; attention's output and the out-projection's reference to it)
 share one packed copy of the storage, decoded and viewed again in backward; the first save
 decides the storage, and a tensor a ``"native"`` module saved first stays a plain reference.
-A tensor covering part of its storage (q, k, v split from one projection) is packed alone.
+A tensor covering part of its storage (q, k, v split from one projection) is packed alone where
+that is smaller than the storage it would keep (not an expanded mask).
 
 Saved-tensor hooks do not stack (the innermost pushed wins), so each context hands what it keeps
 (the packed parts, or the tensor left alone) to the hooks that were active outside the
 outermost lessmem context, and takes them back from there: a byte count's hooks
-(``measure_memory``, ``coverage``) or checkpointing's see the packed bytes themselves. Nested
-chosen modules: the innermost module's rule wins.
+(``measure_memory``, ``coverage``) or checkpointing's see the packed bytes themselves, and a
+checkpointed region packs alike when recomputed (copies are shared only under the same outer
+hooks). Nested chosen modules: the innermost module's rule wins; ``compress`` hooks only the
+modules where the rule changes, lessmem's layers in a lossy region, and the model itself.
 """
 
 from __future__ import annotations
