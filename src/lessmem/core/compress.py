@@ -20,6 +20,7 @@ from lessmem.core.layers.registry import (
 )
 from lessmem.core.mapping import resolve_mapping
 from lessmem.core.patterns import first_match, unmatched
+from lessmem.core.saved_storage import attach, detach
 from lessmem.core.spec import LayerSpec
 from lessmem.core.storage import check_storage
 
@@ -37,6 +38,7 @@ def compress(
     exact_companions: bool = True,
     norm_storage: str | Mapping[str, str] = "native",
     act_storage: str | Mapping[str, str] = "native",
+    saved_storage: str | Mapping[str, str] = "native",
 ) -> nn.Module:
     """Compress ``model`` in place and return it.
 
@@ -54,6 +56,11 @@ def compress(
         globally or as ``{pattern: storage}``. Lossy: the input gradient becomes approximate.
     act_storage: the same for GELU / SiLU inputs (transformer MLPs; torch's classes and timm / HF
         classes computing F.gelu / F.silu). Lossy, opt-in.
+    saved_storage: the same for every other floating tensor of >= 4096 elements that autograd
+        saves inside the matched modules (any module, ``""`` is the model itself): norm inputs,
+        attention's q, k, v and output, elementwise products (``core.saved_storage``). Nested
+        matches: the innermost module's rule wins. Parameters and what lessmem's own layers
+        store are left alone. Lossy, opt-in: every gradient upstream becomes approximate.
     """
     uncompress(model)
     for name, spec in resolve_mapping(model, mapping).items():
@@ -82,6 +89,8 @@ def compress(
             module = model.get_submodule(name)
             _swap(module, stored_class_of(module))
             module.lessmem_storage = storage
+    for name, (storage, in_layer) in _saved_storage_choices(model, saved_storage).items():
+        attach(model.get_submodule(name), storage, in_layer=in_layer, is_model=not name)
     return model
 
 
@@ -122,9 +131,39 @@ def storable_layers(model: nn.Module) -> dict[str, list[str]]:
     }
 
 
+def _saved_storage_choices(model: nn.Module, storage_rule: str | Mapping[str, str]) -> dict[str, tuple[str, bool]]:
+    """Name -> (storage, is one of lessmem's layers) of each module that needs ``saved_storage``
+    hooks of its own: where ``storage_rule`` (one storage, or ``{pattern: storage}``, first match
+    wins, the innermost matched module's rule applies) changes the storage, lessmem's layers in
+    a lossy region, and the model itself (whose inputs are held). None when nothing is lossy."""
+    rules = {"*": storage_rule} if isinstance(storage_rule, str) else dict(storage_rule)
+    for storage in rules.values():
+        check_storage(str(storage))
+    names = [n for n, _ in model.named_modules()]
+    for pattern in unmatched(rules, names):
+        if pattern != "*":
+            listed = ", ".join(repr(n) for n in names[1:9])
+            raise ValueError(f"saved_storage pattern {pattern!r} matches no module name; have {listed}, ... "
+                             f"({len(names) - 1} modules, '' is the model itself)")
+    effective: dict[str, str] = {}
+    chosen: dict[str, tuple[str, bool]] = {}
+    for name, module in model.named_modules():
+        parent = effective.get(name.rpartition(".")[0], "native") if name else "native"
+        pattern = first_match(name, rules)
+        storage = effective[name] = str(rules[pattern]) if pattern is not None else parent
+        in_layer = ORIGINAL_CLASS_ATTR in module.__dict__ and storage != "native"
+        if in_layer or storage != parent:
+            chosen[name] = (storage, in_layer)
+    if not chosen:
+        return {}
+    return {"": (effective[""], False)} | chosen
+
+
 def uncompress(model: nn.Module) -> nn.Module:
-    """Restore every swapped layer to its stock class (in place); returns ``model``."""
+    """Restore every swapped layer to its stock class and remove ``saved_storage`` hooks (in
+    place); returns ``model``."""
     for module in model.modules():
+        detach(module)
         original = module.__dict__.pop(ORIGINAL_CLASS_ATTR, None)
         if original is None and type(module) in STOCK_OF:
             original = STOCK_OF[type(module)]

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from lessmem.core.compress import uncompress
 from lessmem.core.memory import output_tensor, saved_tensors_of, storage_key
+from lessmem.core.saved_storage import packed_storage_of
 
 # backward-node name -> (compressed?, how, why). Names ending in "Backward" are ours.
 _OURS = {
@@ -67,7 +68,7 @@ class CoverageRow:
     compressed: bool
     how: str
     why: str
-    functional: bool  # saved by a functional call in a container module: no map can reach it
+    functional: bool  # saved by a functional call in a container module: no kernel map can reach it (saved_storage can)
 
 
 @dataclass
@@ -119,7 +120,7 @@ class CoverageReport:
             shape = "x".join(map(str, r.shape))
             what = r.how if r.compressed else f"FULL: {r.why}"
             if r.functional:
-                what += " [functional call: not reachable by a map]"
+                what += " [functional call: not reachable by a map; saved_storage reaches it]"
             lines.append(f"{r.layer[:34]:34} {r.op[:34]:34} {shape[:20]:20} {r.dtype:9} "
                          f"{r.bytes / 1024:10.1f}  {what}")
         s = self.summary()
@@ -183,6 +184,9 @@ def coverage(model: nn.Module, inputs: Tensor | tuple[Tensor, ...], *, compare_s
         module = modules.get(rec.layer)
         op = owners.get(rec.key, "unknown")
         compressed, how, why = _describe(op, module)
+        packed_as = packed_storage_of(rec.key)
+        if packed_as is not None:  # its op's backward reads the decoded copy: the graph walk misses it
+            op, compressed, how, why = "saved_storage", True, f"{packed_as} (approximate)", "saved tensor of the module"
         if "BatchNorm" in op and len(rec.shape) == 1:
             why = "BatchNorm statistics (per channel)"
         leaf = module is not None and not any(True for _ in module.children())

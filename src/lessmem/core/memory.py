@@ -6,7 +6,9 @@ storage count the union of their byte ranges, once. Not counted: parameters and 
 model holds them), and the model's inputs, i.e. the batch tensors passed in and any view of their
 storage: the caller holds them anyway (a training loop keeps its batch until the step ends), so
 keeping them for backward costs nothing more. So the figure does not depend on how the batch was
-made, a fresh tensor or a slice of a larger one.
+made, a fresh tensor or a slice of a larger one. Under ``compress(..., saved_storage=...)`` the
+hooks see the packed parts that stand for a saved tensor (``core.saved_storage`` hands them on),
+so those count at their packed size.
 """
 
 from __future__ import annotations
