@@ -31,6 +31,7 @@ class Task(Protocol):
     up per batch (summed over ranks, then turned into the epoch's record)."""
 
     name: str
+    samples: str  # what one row of a batch is, for titles
     criterion: nn.Module
 
     def train_sums(self, logits: Tensor, targets: Tensor, loss: Tensor) -> dict[str, float]: ...
@@ -48,6 +49,7 @@ class Task(Protocol):
 
 class Classification:
     name = "classification"
+    samples = "images"
 
     def __init__(self, label_smoothing: float) -> None:
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
@@ -85,6 +87,7 @@ class CausalLM:
     """Next-token prediction: the dataset's targets are the inputs shifted by one."""
 
     name = "causal_lm"
+    samples = "sequences"
 
     def __init__(self, label_smoothing: float) -> None:
         self.criterion = TokenCrossEntropy(label_smoothing)

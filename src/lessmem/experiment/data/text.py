@@ -38,6 +38,11 @@ class TokenStream:
         return window[:, :-1], window[:, 1:]
 
 
+def _byte_tensor(data: bytes) -> Tensor:
+    # frombuffer refuses an empty buffer; an empty split is reported by the caller
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
 def stdlib_root(cfg: Mapping[str, Any]) -> Path:
     root = cfg.get("root")
     return resolve_path(root) if root else Path(sysconfig.get_paths()["stdlib"])
@@ -68,8 +73,7 @@ def stdlib_text(cfg: Mapping[str, Any]) -> tuple[TokenStream, TokenStream]:
         data = path.read_bytes()
         splits[i % val_every == val_every - 1].append(data)
         total += len(data)
-    train, val = (TokenStream(torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8), seq_len, len(parts))
-                  for parts in splits)
+    train, val = (TokenStream(_byte_tensor(b"".join(parts)), seq_len, len(parts)) for parts in splits)
     for name, split in (("train", train), ("val", val)):
         if len(split) == 0:
             raise ValueError(f"stdlib_text: no {name} block of {seq_len + 1} bytes from the .py files under {root} "
