@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import lessmem
 import lessmem.experiment.train as train_mod
 from lessmem.cli.sensitivity import main as sensitivity_main
-from lessmem.experiment import compose_config, fixed_batches, task_of
+from lessmem.experiment import compose_config, coverage_for_config, fixed_batches, task_of
 from lessmem.experiment.data import build_loaders
 from lessmem.experiment.data.text import stdlib_text, text_files
 from lessmem.experiment.task import TokenCrossEntropy
@@ -206,3 +206,9 @@ def test_sensitivity_cli_on_the_lm(tmp_path: Path, run_cli: Callable[..., object
     generated = tmp_path / "sensitivity_tiny_llama.yaml"
     overrides = [*TINY_LM, f"compression.map_file={generated}", f"out_dir={tmp_path / 'run'}", "epochs=1"]
     assert math.isfinite(run(compose_config(overrides))["final_val_ppl"])
+
+
+def test_coverage_of_the_lm_runs_on_token_blocks() -> None:
+    report = coverage_for_config(compose_config([*TINY_LM, "compression=pool2"]))
+    summary = report.summary()
+    assert 0 < summary["compressed_bytes"] < summary["total_bytes"] < summary["stock_bytes"]

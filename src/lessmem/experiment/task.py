@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
+import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import Tensor, nn
@@ -46,6 +47,8 @@ class Task(Protocol):
 
     def headline(self, metrics: dict[str, Any]) -> str: ...
 
+    def random_inputs(self, dataset: DictConfig, n: int) -> Tensor: ...
+
 
 class Classification:
     name = "classification"
@@ -82,6 +85,11 @@ class Classification:
         return (f"top1 {metrics['final_top1']:.4f} (best {metrics['best_top1']:.4f} "
                 f"@ epoch {metrics['best_epoch']})")
 
+    def random_inputs(self, dataset: DictConfig, n: int) -> Tensor:
+        """``n`` random images of the dataset's size (saved bytes depend on shapes only)."""
+        size = int(dataset.image_size)
+        return torch.randn(n, 3, size, size)
+
 
 class CausalLM:
     """Next-token prediction: the dataset's targets are the inputs shifted by one."""
@@ -115,6 +123,10 @@ class CausalLM:
     def headline(self, metrics: dict[str, Any]) -> str:
         return (f"val_ppl {metrics['final_val_ppl']:.3f} (best {metrics['best_val_ppl']:.3f} "
                 f"@ epoch {metrics['best_epoch']})")
+
+    def random_inputs(self, dataset: DictConfig, n: int) -> Tensor:
+        """``n`` random token blocks of the dataset's length (saved bytes depend on shapes only)."""
+        return torch.randint(int(dataset.num_classes), (n, int(dataset.seq_len)))
 
 
 def task_of(cfg: DictConfig) -> Task:
