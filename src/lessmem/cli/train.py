@@ -10,7 +10,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from lessmem.cli.errors import exit_on_user_error, hydra_entry
-from lessmem.experiment import conf_dir, run
+from lessmem.experiment import conf_dir, run, task_of
 
 CONF_DIR = str(conf_dir())
 
@@ -27,8 +27,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     with contextlib.nullcontext() if sweeping else exit_on_user_error("lessmem-train"):
         m = run(cfg)
     print(
-        f"{m['model']} / {m['compression']}: top1 {m['final_top1']:.4f} (best {m['best_top1']:.4f} "
-        f"@ epoch {m['best_epoch']}), saved {m['saved_bytes'] / 2**20:.2f} MiB vs stock "
+        f"{m['model']} / {m['compression']}: {task_of(cfg).headline(m)}, saved {m['saved_bytes'] / 2**20:.2f} MiB vs stock "
         f"{m['stock_saved_bytes'] / 2**20:.2f} MiB (ratio {m['ratio']:.3f}), whole-step peak ratio "
         f"{m['step_peak_ratio']:.3f}, "
         f"{m['train_time_s']:.1f}s -> {cfg.out_dir}"

@@ -11,8 +11,10 @@ Other layers use the core through the names exported here.
 
 from lessmem.core.compress import compress, compressed_layers, storable_layers, uncompress
 from lessmem.core.coverage import CoverageReport, coverage
-from lessmem.core.functions.pooling import expand_blocks, pool_blocks
+from lessmem.core.functions.kept_input import kept_by_graph
+from lessmem.core.functions.pooling import expand_blocks, expand_tokens, pool_blocks, pool_tokens
 from lessmem.core.kernels.cpu import build_cpu_kernels
+from lessmem.core.layers.registry import pools_tokens
 from lessmem.core.mapping import compressible_layers, resolve_mapping
 from lessmem.core.memory import MemoryReport, measure_memory
 from lessmem.core.patterns import first_match
@@ -50,6 +52,8 @@ __all__ = [
     "coverage",
     "describe_storage",
     "expand_blocks",
+    "expand_tokens",
+    "kept_by_graph",
     "first_match",
     "load_rounding_state",
     "measure_memory",
@@ -58,6 +62,8 @@ __all__ = [
     "parse_spec",
     "peak_rss_growth",
     "pool_blocks",
+    "pool_tokens",
+    "pools_tokens",
     "resolve_mapping",
     "rounding_state",
     "set_rounding_seed",

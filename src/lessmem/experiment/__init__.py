@@ -12,6 +12,7 @@ from lessmem.experiment.paths import (
     register_config_resolvers,
     resolve_path,
 )
+from lessmem.experiment.task import task_of
 from lessmem.experiment.train import run
 
 register_config_resolvers()
@@ -27,4 +28,5 @@ __all__ = [
     "resolve_path",
     "run",
     "save_report",
+    "task_of",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +20,15 @@ log = logging.getLogger(__name__)
 
 def adapt_compression(net: nn.Module, probe: tuple[Tensor, Tensor], acfg: Any, cfg: DictConfig,
                       epoch: int, x_memory: Tensor, out_dir: Path, logger: Any,
-                      is_main: bool) -> dict[str, int]:
+                      is_main: bool, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> dict[str, int]:
     """Adaptive schedule: re-measure every conv's weight-gradient fidelity on the fixed probe
-    batch and re-assign kernels greedily within the memory budget (most bytes saved per
+    batch (with the run's loss) and re-assign kernels greedily within the memory budget (most bytes saved per
     fidelity lost). Deterministic, so every DDP rank arrives at the same map."""
     device = next(net.parameters()).device
     was_training = net.training
     net.train()
     result = sensitivity(net, [(probe[0].to(device), probe[1].to(device))],
-                         kernels=[int(k) for k in acfg.get("kernels", (1, 2, 4, 8))])
+                         kernels=[int(k) for k in acfg.get("kernels", (1, 2, 4, 8))], loss_fn=loss_fn)
     budget = acfg.get("budget")
     mapping = result.make_map(None if budget is None else float(budget), acfg.get("min_cosine"))
     compress_from_config(net, mapping, cfg)

@@ -14,17 +14,17 @@ from torch import Tensor, nn
 
 from lessmem.core import CoverageReport, coverage
 from lessmem.experiment.model import build_model_from_cfg, compress_as_configured
+from lessmem.experiment.task import task_of
 
 
 def coverage_for_config(cfg: DictConfig, batch: int | None = None) -> CoverageReport:
-    """Coverage of the configured model and compression map on a random input batch (saved
-    bytes depend on shapes only, not on pixel values)."""
+    """Coverage of the configured model and compression map on a random input batch of the
+    task's shape (saved bytes depend on shapes only, not on pixel values or token ids)."""
+    task = task_of(cfg)
     torch.manual_seed(int(cfg.get("seed", 0)))
     model = build_model_from_cfg(cfg).train()
     compress_as_configured(model, cfg)
-    size = int(cfg.dataset.image_size)
-    x = torch.randn(int(batch or cfg.memory_batch), 3, size, size)
-    return coverage(model, x)
+    return coverage(model, task.random_inputs(cfg.dataset, int(batch or cfg.memory_batch)))
 
 
 def write_coverage(model: nn.Module, x: Tensor, out_dir: Path, title: str) -> CoverageReport:

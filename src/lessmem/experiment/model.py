@@ -13,9 +13,11 @@ from lessmem.models import build_model
 
 
 def build_model_from_cfg(cfg: DictConfig) -> nn.Module:
-    """The model of a composed train config (``cfg.model``: name, num_classes, kwargs)."""
+    """The model of a composed train config (``cfg.model``: name, num_classes, kwargs; its
+    ``task`` is the run's, read by ``lessmem.experiment.task``)."""
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     name, num_classes = model_cfg.pop("name"), model_cfg.pop("num_classes")
+    model_cfg.pop("task", None)
     return build_model(name, int(num_classes), **model_cfg)
 
 

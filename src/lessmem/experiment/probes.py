@@ -1,9 +1,10 @@
 """Measurements on a model during a run: saved-for-backward bytes, gradient fidelity of the
-compressed layers, validation accuracy, fixed probe batches."""
+compressed layers, validation metrics (the task's), fixed probe batches."""
 
 from __future__ import annotations
 
 import copy
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -14,10 +15,11 @@ from torch import Tensor, nn
 from lessmem.core import compressed_layers, measure_memory, measure_step_memory, uncompress
 from lessmem.experiment.distributed import all_reduce_mean_, all_reduce_sum
 from lessmem.experiment.runtime import PRECISIONS, autocast
+from lessmem.experiment.task import Task
 
 
 def first_batch(loader: Any, n: int) -> tuple[Tensor, Tensor]:
-    """The first ``n`` (images, labels) of a loader: a fixed probe batch."""
+    """The first ``n`` (inputs, targets) of a loader: a fixed probe batch."""
     xs, ys, have = [], [], 0
     for x, y in loader:
         xs.append(x)
@@ -29,9 +31,10 @@ def first_batch(loader: Any, n: int) -> tuple[Tensor, Tensor]:
 
 
 def measure(stock: nn.Module, model: nn.Module, batch: tuple[Tensor, Tensor], device: torch.device,
-            precision: str, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]) -> dict[str, Any]:
+            precision: str, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+            loss_fn: Callable[[Tensor, Tensor], Tensor]) -> dict[str, Any]:
     """Saved-for-backward bytes and whole-step peak memory (forward, backward, optimizer step)
-    of the stock and the compressed model on one batch. Runs on copies in train mode so the
+    of the stock and the compressed model on one batch, the step's loss ``loss_fn``. Runs on copies in train mode so the
     weights, BatchNorm statistics and RNG of the real model are untouched."""
     x, y = batch
     out: dict[str, Any] = {"memory_batch": len(x)}
@@ -43,7 +46,7 @@ def measure(stock: nn.Module, model: nn.Module, batch: tuple[Tensor, Tensor], de
             out[f"{prefix}saved_bytes"] = report.total_bytes
             out[f"{prefix}cuda_peak_bytes"] = report.cuda_peak_bytes
             step = measure_step_memory(net, (x.to(device), y.to(device)), optimizer=make_optimizer(net),
-                                       amp_dtype=PRECISIONS[precision])
+                                       loss_fn=loss_fn, amp_dtype=PRECISIONS[precision])
             out[f"{prefix}step_peak_bytes"] = step.peak_bytes
             if not prefix:
                 out["saved_bytes_per_layer"] = report.per_layer
@@ -55,7 +58,8 @@ def measure(stock: nn.Module, model: nn.Module, batch: tuple[Tensor, Tensor], de
     return out
 
 
-def grad_cosine(model: nn.Module, x: Tensor, y: Tensor, criterion: nn.Module, device: torch.device,
+def grad_cosine(model: nn.Module, x: Tensor, y: Tensor, criterion: Callable[[Tensor, Tensor], Tensor],
+                device: torch.device,
                 precision: str) -> dict[str, float]:
     """Cosine(exact weight grad, compressed weight grad) per compressed layer, on the batch whose
     compressed grads are in ``model`` now. The exact grads come from an uncompressed copy
@@ -82,18 +86,15 @@ def grad_cosine(model: nn.Module, x: Tensor, y: Tensor, criterion: nn.Module, de
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Any, criterion: nn.Module, device: torch.device,
+def evaluate(model: nn.Module, loader: Any, task: Task, device: torch.device,
              precision: str) -> dict[str, float]:
+    """The task's validation metrics (``val_loss`` and ``val_top1`` / ``val_ppl`` ...) over ``loader``."""
     model.eval()
-    loss_sum, top1, top5, n = 0.0, 0, 0, 0
+    sums: dict[str, float] = defaultdict(float)
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast(device, precision):
             logits = model(x)
-        loss_sum += criterion(logits.float(), y).item() * len(y)
-        top = logits.topk(min(5, logits.shape[1]), dim=1).indices
-        top1 += (top[:, 0] == y).sum().item()
-        top5 += (top == y[:, None]).any(dim=1).sum().item()
-        n += len(y)
-    loss_sum, top1, top5, n = all_reduce_sum([loss_sum, top1, top5, n], device)  # ranks' shards
-    return {"val_loss": loss_sum / n, "val_top1": top1 / n, "val_top5": top5 / n}
+        for key, value in task.eval_sums(logits, y).items():
+            sums[key] += value
+    return task.eval_record(dict(zip(sums, all_reduce_sum(list(sums.values()), device), strict=True)))

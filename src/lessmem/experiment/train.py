@@ -50,10 +50,11 @@ from lessmem.experiment.optim import build_optimizer, build_scheduler
 from lessmem.experiment.probes import evaluate, first_batch, grad_cosine, measure
 from lessmem.experiment.runtime import autocast, resolve_device, validate
 from lessmem.experiment.seeds import epoch_seed, seed_everything
+from lessmem.experiment.task import Task, task_of
 
 log = logging.getLogger(__name__)
 
-TIME_KEYS = ("epoch_time_s", "throughput_img_s", "train_time_s")  # differ between identical runs
+TIME_KEYS = ("epoch_time_s", "throughput_img_s", "throughput_tok_s", "train_time_s")  # differ between identical runs
 
 
 def default_out_dir() -> Path:
@@ -84,7 +85,8 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
     """Train ``cfg.model`` on ``cfg.dataset`` with ``cfg.compression``; returns the final metrics.
 
     ``on_epoch_end(epoch, record)`` is called on the main process after each epoch's evaluation
-    and checkpoint (epoch counts from 1; ``record`` has ``val_top1`` etc.). An exception it raises
+    and checkpoint (epoch counts from 1; ``record`` has ``val_top1`` etc., ``val_ppl`` for a language
+    model: ``lessmem.experiment.task``). An exception it raises
     (e.g. ``optuna.TrialPruned``) ends the run after the checkpoint, so nothing is lost."""
     cfg = copy.deepcopy(cfg)
     ddp, device, out_dir = place_run(cfg)
@@ -92,6 +94,7 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
     ckpt = checkpoint_to_resume(cfg, ckpt_path, device)
     seed = int(cfg.seed)
     seed_everything(seed)
+    task = task_of(cfg)
 
     model = build_model_from_cfg(cfg)
     train_loader, val_loader = build_loaders(
@@ -105,7 +108,7 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
     model.to(memory_format=memory_format)
     memory_batch = first_batch(val_loader, int(cfg.memory_batch))
     x_memory = memory_batch[0]
-    memory = memory_record(stock, model, memory_batch, device, cfg, choice, warn=ddp.is_main)
+    memory = memory_record(stock, model, memory_batch, device, cfg, choice, task, warn=ddp.is_main)
     del stock
     if ddp.is_main:  # reports of a run in progress read it here, never from the pickled checkpoint
         atomic_write_text(json.dumps(memory, indent=2), out_dir / "memory.json")
@@ -114,7 +117,6 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
         coverage = write_coverage(model, x_memory.to(device), out_dir, f"{cfg.model.name} / {choice.name}")
     net, model = wrap_for_training(model, cfg, ddp, device)
 
-    criterion = nn.CrossEntropyLoss(label_smoothing=float(cfg.get("label_smoothing", 0.0)))
     optimizer = build_optimizer(cfg.optimizer, net.parameters())
     steps_per_epoch = len(train_loader)
     scheduler = build_scheduler(cfg.scheduler, optimizer, int(cfg.epochs), steps_per_epoch)
@@ -143,10 +145,10 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
             train_loader.set_epoch(epoch)
             if adapt_every and epoch % adapt_every == 0:
                 adaptive_map = adapt_compression(net, probe, adaptive, cfg, epoch, x_memory, out_dir,
-                                                 logger, ddp.is_main)
-            record = train_epoch(model, train_loader, criterion, optimizer, scheduler, scaler, cfg,
+                                                 logger, ddp.is_main, task.criterion)
+            record = train_epoch(model, train_loader, task, optimizer, scheduler, scaler, cfg,
                                  device, epoch, steps_per_epoch, logger, out_dir)
-            record.update(evaluate(net, val_loader, criterion, device, cfg.precision))
+            record.update(evaluate(net, val_loader, task, device, cfg.precision))
             history.append(record)
             if ddp.is_main:
                 with (out_dir / "metrics.jsonl").open("a") as f:
@@ -158,7 +160,7 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
                                 memory=memory, cfg=cfg, adaptive_map=adaptive_map if adapt_every else None)
             if on_epoch_end is not None and ddp.is_main:
                 on_epoch_end(done, record)
-        metrics = summarize(cfg, history, memory)
+        metrics = summarize(cfg, task, history, memory)
         if ddp.is_main:
             atomic_write_text(json.dumps(metrics, indent=2), out_dir / "metrics.json")
         logger.summary({k: v for k, v in metrics.items() if not isinstance(v, (list, dict))})
@@ -172,12 +174,12 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
 
 
 def memory_record(stock: nn.Module, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
-                  device: torch.device, cfg: DictConfig, choice: CompressionChoice,
+                  device: torch.device, cfg: DictConfig, choice: CompressionChoice, task: Task,
                   warn: bool) -> dict[str, Any]:
-    """Saved bytes and whole-step peak of stock and compressed on one batch, labelled with the
-    compression choice; a choice that keeps more than stock says so."""
+    """Saved bytes and whole-step peak (with the task's loss) of stock and compressed on one batch,
+    labelled with the compression choice; a choice that keeps more than stock says so."""
     memory = measure(stock, model, batch, device, cfg.precision,
-                     lambda net: build_optimizer(cfg.optimizer, net.parameters()))
+                     lambda net: build_optimizer(cfg.optimizer, net.parameters()), task.criterion)
     memory.update(choice.record())
     if warn and memory["ratio"] > 1:
         log.warning("lessmem: compression %r (%s) keeps %.3fx the stock bytes (%.2f vs %.2f MiB): it "
@@ -188,12 +190,12 @@ def memory_record(stock: nn.Module, model: nn.Module, batch: tuple[torch.Tensor,
     return memory
 
 
-def train_epoch(model: nn.Module, loader: Any, criterion: nn.Module, optimizer: torch.optim.Optimizer,
+def train_epoch(model: nn.Module, loader: Any, task: Task, optimizer: torch.optim.Optimizer,
                 scheduler: Any, scaler: torch.amp.GradScaler, cfg: DictConfig, device: torch.device,
                 epoch: int, steps_per_epoch: int, logger: Any, out_dir: Path) -> dict[str, Any]:
     model.train()
     lr = optimizer.param_groups[0]["lr"]
-    loss_sum, correct, seen = 0.0, 0, 0
+    sums: dict[str, float] = defaultdict(float)
     cos_every = int(cfg.get("grad_cosine_every") or 0)
     cos_sums: dict[str, list[float]] = defaultdict(list)
     start = time.perf_counter()
@@ -207,11 +209,11 @@ def train_epoch(model: nn.Module, loader: Any, criterion: nn.Module, optimizer: 
             x = x.contiguous(memory_format=torch.channels_last)
         with autocast(device, cfg.precision):
             logits = model(x)
-            loss = criterion(logits.float(), y)
+            loss = task.criterion(logits.float(), y)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
         if cos_every and global_step % cos_every == 0:
-            cos = grad_cosine(unwrap(model), x, y, criterion, device, cfg.precision)
+            cos = grad_cosine(unwrap(model), x, y, task.criterion, device, cfg.precision)
             for name, c in cos.items():
                 cos_sums[name].append(c)
             if cos and main:
@@ -222,17 +224,13 @@ def train_epoch(model: nn.Module, loader: Any, criterion: nn.Module, optimizer: 
         scaler.update()
         scheduler.step()
         fault_point("train_step")
-        loss_sum += loss.item() * len(y)
-        correct += (logits.argmax(1) == y).sum().item()
-        seen += len(y)
-        bar.set_postfix(loss=f"{loss_sum / seen:.3f}", lr=f"{optimizer.param_groups[0]['lr']:.3g}")
+        for key, value in task.train_sums(logits, y, loss).items():
+            sums[key] += value
+        bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{optimizer.param_groups[0]['lr']:.3g}")
     bar.close()
-    loss_sum, correct, seen = all_reduce_sum([loss_sum, correct, seen], device)  # global batch
-    elapsed = time.perf_counter() - start
-    record: dict[str, Any] = {
-        "epoch": epoch + 1, "lr": lr, "train_loss": loss_sum / seen, "train_top1": correct / seen,
-        "epoch_time_s": elapsed, "throughput_img_s": seen / elapsed,
-    }
+    sums = dict(zip(sums, all_reduce_sum(list(sums.values()), device), strict=True))  # global batch
+    record: dict[str, Any] = {"epoch": epoch + 1, "lr": lr,
+                              **task.train_record(sums, time.perf_counter() - start)}
     if cos_sums:
         per_layer = {n: sum(v) / len(v) for n, v in cos_sums.items()}
         record["grad_cosine_mean"] = sum(per_layer.values()) / len(per_layer)
@@ -240,16 +238,13 @@ def train_epoch(model: nn.Module, loader: Any, criterion: nn.Module, optimizer: 
     return record
 
 
-def summarize(cfg: DictConfig, history: list[dict[str, Any]], memory: dict[str, Any]) -> dict[str, Any]:
-    best = max(history, key=lambda h: h["val_top1"])
-    last = history[-1]
+def summarize(cfg: DictConfig, task: Task, history: list[dict[str, Any]],
+              memory: dict[str, Any]) -> dict[str, Any]:
     return {
-        "model": cfg.model.name, "dataset": cfg.dataset.name,
+        "model": cfg.model.name, "dataset": cfg.dataset.name, "task": task.name,
         "seed": int(cfg.seed),
         "epochs": len(history),
-        "final_top1": last["val_top1"], "final_top5": last["val_top5"], "final_val_loss": last["val_loss"],
-        "final_train_loss": last["train_loss"],
-        "best_top1": best["val_top1"], "best_top5": best["val_top5"], "best_epoch": best["epoch"],
+        **task.summary(history),
         **memory,
         "train_time_s": sum(h["epoch_time_s"] for h in history),
         "history": history,
@@ -262,7 +257,7 @@ def _wandb_names(record: dict[str, Any]) -> dict[str, Any]:
         if k.startswith(("train_", "val_")):
             split, _, metric = k.partition("_")
             out[f"{split}/{metric}"] = v
-        elif k in ("epoch_time_s", "throughput_img_s"):
+        elif k in ("epoch_time_s", "throughput_img_s", "throughput_tok_s"):
             out[f"time/{k}"] = v
         elif k == "grad_cosine_mean":
             out["train/grad_cosine_mean"] = v

@@ -1,5 +1,6 @@
-"""The Conv2d layers a sensitivity measurement covers, with the geometry
-``convolution_backward`` needs to recompute their weight gradients."""
+"""The layers a sensitivity measurement covers: Conv2d layers, with the geometry
+``convolution_backward`` needs to recompute their weight gradients, and linears on token inputs
+(transformers), whose weight gradient is a plain product."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from lessmem.core import pools_tokens
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +43,32 @@ def _conv_geometry(name: str, m: nn.Conv2d) -> ConvLayer | None:
     return ConvLayer(name, m, m.stride, tuple(m.padding), None)
 
 
+@dataclass
+class TokenLinearLayer:
+    """A linear the core pools over groups of k tokens (nn.Linear, HF Conv1D); measured when it
+    reads (..., tokens, features) inputs (a classifier head on (batch, features) is not pooled)."""
+
+    name: str
+    module: nn.Module
+
+
+SensitivityLayer = ConvLayer | TokenLinearLayer
+
+
 def conv_layers(model: nn.Module) -> list[ConvLayer]:
     """Every Conv2d (stock or compressed subclass) whose weight trains."""
-    found = [_conv_geometry(n, m) for n, m in model.named_modules()
-             if isinstance(m, nn.Conv2d) and m.weight.requires_grad]
+    return [layer for layer in sensitivity_layers(model) if isinstance(layer, ConvLayer)]
+
+
+def sensitivity_layers(model: nn.Module) -> list[SensitivityLayer]:
+    """Every Conv2d and token-pooling linear (stock or compressed) whose weight trains, in module order."""
+    found: list[SensitivityLayer | None] = []
+    for name, m in model.named_modules():
+        weight = getattr(m, "weight", None)
+        if not isinstance(weight, nn.Parameter) or not weight.requires_grad:
+            continue
+        if isinstance(m, nn.Conv2d):
+            found.append(_conv_geometry(name, m))
+        elif pools_tokens(m):
+            found.append(TokenLinearLayer(name, m))
     return [f for f in found if f is not None]

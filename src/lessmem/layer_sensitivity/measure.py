@@ -1,7 +1,7 @@
 """Layer sensitivity to compressed activations, from ONE stock forward/backward per batch.
 
-Hooks (``recorder``) capture every conv's input and output gradient, and each layer x kernel
-costs one extra weight-gradient convolution. Since the input gradients stay exact, per-layer
+Hooks (``recorder``) capture every conv's (and token linear's) input and output gradient, and each
+layer x kernel costs one extra weight-gradient computation. Since the input gradients stay exact, per-layer
 fidelities compose: the fidelity of any per-layer map is the per-layer fidelity of its kernels,
 with no further backward passes (used by ``lessmem.search``).
 """
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lessmem.layer_sensitivity.geometry import ConvLayer, conv_layers
+from lessmem.layer_sensitivity.geometry import SensitivityLayer, sensitivity_layers
 from lessmem.layer_sensitivity.recorder import GradientRecorder
 from lessmem.layer_sensitivity.result import SensitivityResult
 
@@ -32,10 +32,12 @@ def sensitivity(
     progress: bool = False,
     restore_buffers: bool = True,
 ) -> SensitivityResult:
-    """Weight-gradient fidelity of every Conv2d for each pooling kernel, one backward per batch.
+    """Weight-gradient fidelity of every Conv2d (kernel k: k x k blocks) and every linear on token
+    inputs (k consecutive tokens) for each pooling kernel, one backward per batch.
 
-    batches: ``images`` or ``(images, labels)``; moved to the model's device.
-    loss_fn(output, labels): cross-entropy by default (mean square of the output without labels).
+    batches: ``inputs`` or ``(inputs, targets)``; moved to the model's device.
+    loss_fn(output, targets): cross-entropy by default (mean square of the output without
+    targets); pass the training loss for other outputs (a language model's next-token loss).
     The model runs in its current mode (use ``model.train()`` for training-mode BN statistics).
     restore_buffers: put BN running statistics back afterwards, so the probe leaves no trace.
     Assumes the rest of the backward is exact (stock model, or compressed with exact companions
@@ -44,9 +46,9 @@ def sensitivity(
     kernels = sorted({int(k) for k in kernels})
     if not kernels or kernels[0] < 1:
         raise ValueError(f"kernels must be positive integers, got {kernels}")
-    layers = conv_layers(model)
+    layers = sensitivity_layers(model)
     if not layers:
-        raise ValueError(f"{type(model).__name__} has no trainable Conv2d layer")
+        raise ValueError(f"{type(model).__name__} has no trainable Conv2d or token linear layer")
     loss_fn = loss_fn or _default_loss
     rec = GradientRecorder(layers, kernels)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -95,8 +97,11 @@ def _progress(batches: Iterable[Batch], enabled: bool) -> Iterable[Batch]:
     return tqdm(batches, desc="sensitivity", unit="batch", total=getattr(batches, "__len__", lambda: None)())
 
 
-def _collect(rec: GradientRecorder, layers: list[ConvLayer], kernels: list[int], n_batches: int) -> SensitivityResult:
+def _collect(rec: GradientRecorder, layers: list[SensitivityLayer], kernels: list[int], n_batches: int) -> SensitivityResult:
     names = [layer.name for layer in layers if f"{layer.name}/{kernels[0]}" in rec.stats]
+    if not names:
+        raise ValueError("sensitivity measured no layer: no Conv2d and no linear on (..., tokens, features) "
+                         "inputs had a gradient reach it")
     shape = (len(names), len(kernels))
     stats = {key: np.zeros(shape) for key in ("cm", "cs", "rm", "rs")}
     nbytes = np.zeros(shape, dtype=np.int64)

@@ -7,7 +7,9 @@ weight gradient for kernel k is exactly
 
     convolution_backward(grad_out, expand_blocks(pool_blocks(x, k), k), weight, ...)[1]
 
-with ``x`` the layer's input and ``grad_out`` its output gradient from the stock pass.
+with ``x`` the layer's input and ``grad_out`` its output gradient from the stock pass; for a linear
+on tokens it is ``grad_out^T expand_tokens(pool_tokens(x, k), k)`` summed over batch and tokens
+(transposed for HF Conv1D's (in, out) weight, which changes neither cosine nor relative error).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from lessmem.core import expand_blocks, pool_blocks
-from lessmem.layer_sensitivity.geometry import ConvLayer
+from lessmem.core import expand_blocks, expand_tokens, kept_by_graph, pool_blocks, pool_tokens
+from lessmem.layer_sensitivity.geometry import ConvLayer, SensitivityLayer, TokenLinearLayer
 
 
 def _weight_grad(layer: ConvLayer, grad_out: Tensor, x: Tensor) -> Tensor:
@@ -28,6 +30,11 @@ def _weight_grad(layer: ConvLayer, grad_out: Tensor, x: Tensor) -> Tensor:
         grad_out, x, m.weight.detach(), None, layer.stride, layer.padding, m.dilation,
         False, [0, 0], m.groups, [False, True, False],
     )[1]
+
+
+def _linear_weight_grad(grad_out: Tensor, x: Tensor) -> Tensor:
+    """(out, in) weight gradient of a linear from its (..., tokens, features) input and output gradient."""
+    return grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
 
 
 def _fidelity(exact: Tensor, approx: Tensor) -> tuple[float, float]:
@@ -44,7 +51,7 @@ class GradientRecorder:
     """Forward hooks keep each layer's input; a tensor hook on the output computes all kernels'
     weight gradients as soon as the output gradient arrives, then drops the input."""
 
-    def __init__(self, layers: list[ConvLayer], kernels: Sequence[int]) -> None:
+    def __init__(self, layers: list[SensitivityLayer], kernels: Sequence[int]) -> None:
         self.layers, self.kernels = layers, list(kernels)
         self.stats: dict[str, list[tuple[float, float]]] = {}  # "layer/k" -> [(cos, rel)]
         self.shapes: dict[str, tuple[int, ...]] = {}
@@ -54,21 +61,31 @@ class GradientRecorder:
         # Layers reading a tensor no op produced (the model's input batch): the caller holds it
         # anyway, so stock keeps 0 extra bytes for it and a pooled copy only adds (core.memory).
         self.caller_held: set[str] = set()
+        # Linears reading a tensor autograd keeps anyway (attention's output into its projection):
+        # the core holds a reference there whatever the kernel, so every kernel is exact and free.
+        self.graph_kept: set[str] = set()
 
-    def forward_hook(self, layer: ConvLayer) -> Callable[..., None]:
+    def forward_hook(self, layer: SensitivityLayer) -> Callable[..., None]:
+        tokens = isinstance(layer, TokenLinearLayer)
+
         def hook(module: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> None:
             x = args[0]
-            if not torch.is_grad_enabled() or not out.requires_grad:
-                return
-            if x.grad_fn is None and not x.requires_grad and layer.pre_pad is None:
+            if not torch.is_grad_enabled() or not out.requires_grad or (tokens and x.dim() < 3):
+                return  # no token dim: the core keeps the input whole, so there is nothing to choose
+            if x.grad_fn is None and not x.requires_grad and (tokens or layer.pre_pad is None):
                 self.caller_held.add(layer.name)
+            if tokens and kept_by_graph(x):
+                self.graph_kept.add(layer.name)
             x = x.detach()
-            n, c, h, w = x.shape
-            self.shapes[layer.name] = (n, c, h + layer.extra[0], w + layer.extra[1])
+            if tokens:
+                self.shapes[layer.name] = (x[..., 0, 0].numel(), x.shape[-2], x.shape[-1])
+            else:
+                n, c, h, w = x.shape
+                self.shapes[layer.name] = (n, c, h + layer.extra[0], w + layer.extra[1])
             self.elem[layer.name] = x.element_size()
             # Same storage and shape: one tensor read by several convs (stored once by the core).
             # A pre-padded input is a fresh tensor per conv, so it never shares.
-            owner = layer.name if layer.pre_pad is not None else ""
+            owner = layer.name if not tokens and layer.pre_pad is not None else ""
             self.groups[layer.name] = (x.untyped_storage().data_ptr(), tuple(x.shape), owner)
             self._inputs[layer.name] = (x, x._version)
             out.register_hook(lambda g: self._backward(layer, g))
@@ -78,22 +95,32 @@ class GradientRecorder:
         """Forget inputs whose layer's output did not reach the loss (no backward came)."""
         self._inputs.clear()
 
-    def _backward(self, layer: ConvLayer, grad_out: Tensor) -> None:
+    def _backward(self, layer: SensitivityLayer, grad_out: Tensor) -> None:
         x, version = self._inputs.pop(layer.name)
         if x._version != version:
-            raise RuntimeError(f"input of {layer.name} was modified in place after the conv; "
+            raise RuntimeError(f"input of {layer.name} was modified in place after the layer; "
                                "sensitivity needs it unchanged (use non-inplace ops before it)")
+        if isinstance(layer, TokenLinearLayer):
+            exact = _linear_weight_grad(grad_out, x)
+            self._record(layer.name, exact, lambda k: exact if layer.name in self.graph_kept else _linear_weight_grad(
+                grad_out, expand_tokens(pool_tokens(x, k), k, x.shape[-2])))
+            return
         if layer.pre_pad is not None:
             x = layer.pre_pad(x)
-        exact = _weight_grad(layer, grad_out, x)
+        self._record(layer.name, _weight_grad(layer, grad_out, x), lambda k: _weight_grad(
+            layer, grad_out, expand_blocks(pool_blocks(x, (k, k)), (k, k), x.shape[-2:])))
+
+    def _record(self, name: str, exact: Tensor, pooled_grad: Callable[[int], Tensor]) -> None:
         for k in self.kernels:
-            approx = exact if k == 1 else _weight_grad(
-                layer, grad_out, expand_blocks(pool_blocks(x, (k, k)), (k, k), x.shape[-2:]))
-            self.stats.setdefault(f"{layer.name}/{k}", []).append(_fidelity(exact, approx))
+            approx = exact if k == 1 else pooled_grad(k)
+            self.stats.setdefault(f"{name}/{k}", []).append(_fidelity(exact, approx))
 
     def pooled_bytes(self, name: str, k: int) -> int:
         """Bytes the layer keeps for its weight gradient with kernel k (k=1: the stock input)."""
-        if k == 1 and name in self.caller_held:
+        if (k == 1 and name in self.caller_held) or name in self.graph_kept:
             return 0
+        if len(self.shapes[name]) == 3:  # (inputs, tokens, features)
+            n, t, c = self.shapes[name]
+            return n * math.ceil(t / k) * c * self.elem[name]
         n, c, h, w = self.shapes[name]
         return n * c * math.ceil(h / k) * math.ceil(w / k) * self.elem[name]

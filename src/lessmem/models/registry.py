@@ -1,4 +1,5 @@
-"""Model registry: ``build_model(name, num_classes, **kwargs)``. Torchvision models start untrained."""
+"""Model registry: ``build_model(name, num_classes, **kwargs)``. Torchvision models start untrained;
+the language models (``num_classes``: the vocabulary) need HF transformers, the ``zoo`` extra."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 import torchvision
 from torch import Tensor, nn
 
-from lessmem.models import vit
+from lessmem.models import causal_lm, vit
 
 
 class ShortcutA(nn.Module):
@@ -109,6 +110,8 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     **{n: _torchvision(n) for n in ("resnet18", "resnet34", "resnet50", "vgg11_bn", "mobilenet_v2")},
     "vit_b_16": vit.vit_b_16,
     "vit_tiny_cifar": vit.vit_tiny_cifar,
+    "tiny_llama": causal_lm.tiny_llama,
+    "tiny_gpt2": causal_lm.tiny_gpt2,
 }
 
 

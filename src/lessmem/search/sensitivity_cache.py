@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from lessmem.experiment import build_model_from_cfg, fixed_batches, load_checkpoint
+from lessmem.experiment import build_model_from_cfg, fixed_batches, load_checkpoint, task_of
 from lessmem.layer_sensitivity import SensitivityResult, sensitivity
 
 
@@ -28,7 +28,7 @@ def study_sensitivity(sweep: DictConfig, base: DictConfig, out_dir: Path) -> Sen
     if opts.get("checkpoint"):
         load_checkpoint(model, opts.checkpoint)
     batches = fixed_batches(base, int(opts.batches), int(opts.batch_size), str(opts.split), int(base.get("seed", 0)))
-    result = sensitivity(model.train(), batches, list(sweep.kernels), progress=True)
+    result = sensitivity(model.train(), batches, list(sweep.kernels), task_of(base).criterion, progress=True)
     result.meta.update({"model": str(base.model.name), "dataset": str(base.dataset.name),
                         "batch_size": int(opts.batch_size), "weights": str(opts.get("checkpoint") or "random init")})
     result.save(tmp_dir)

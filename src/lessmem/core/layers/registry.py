@@ -68,6 +68,13 @@ def compressed_class_of(module: nn.Module) -> type[nn.Module] | None:
     return zoo_compressed_class(module)
 
 
+def pools_tokens(module: nn.Module) -> bool:
+    """Whether a pooling spec makes ``module`` keep its input as means over token groups (a
+    linear whose math is known, stock or already compressed), rather than spatial blocks."""
+    kind = type(module) if type(module) in COMPRESSED_CLASSES else compressed_class_of(module)
+    return kind in (CompressedLinear, CompressedTransposedLinear)
+
+
 def _is_plain_linear(module: nn.Module) -> bool:
     # MultiheadAttention's out_proj is never called (the attention reads its weight directly);
     # the swapped attention already covers it.

@@ -1,5 +1,6 @@
 """The datasets of the ``dataset`` config group: CIFAR-10 (ImageFolder files, or torchvision's
-download), ImageNet (streamed through PIL transforms) and synthetic images."""
+download), ImageNet (streamed through PIL transforms), synthetic images and byte-level text
+(the Python standard library's source)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import torch
 from lessmem.experiment.data.cache import load_split
 from lessmem.experiment.data.images import TensorImages
 from lessmem.experiment.data.scan import ImageFolderSplit, balanced_subset, image_folder_split
+from lessmem.experiment.data.text import stdlib_text
 from lessmem.experiment.paths import DATA_ENV, DEFAULT_DATA_DIR, resolve_path
 
-DATASETS = ("cifar10", "imagenet", "synthetic")
+DATASETS = ("cifar10", "imagenet", "stdlib_text", "synthetic")
 
 
 def missing_data_error(root: Path, name: str) -> FileNotFoundError:
@@ -30,7 +32,7 @@ def missing_data_error(root: Path, name: str) -> FileNotFoundError:
 def dataset_splits(cfg: Mapping[str, Any]) -> tuple[Any, Any]:
     """(train, val) of the ``dataset`` config group, before any decoding: ImageFolderSplit for
     CIFAR-10 files, TensorImages for downloaded CIFAR-10 and synthetic data, torchvision
-    ImageFolder datasets for ImageNet."""
+    ImageFolder datasets for ImageNet, TokenStreams for text."""
     name = cfg.get("name")
     if name == "cifar10":
         return _cifar10(cfg)
@@ -38,6 +40,8 @@ def dataset_splits(cfg: Mapping[str, Any]) -> tuple[Any, Any]:
         return _synthetic(cfg)
     if name == "imagenet":
         return _imagenet(cfg)
+    if name == "stdlib_text":
+        return stdlib_text(cfg)
     raise ValueError(f"unknown dataset {name!r}; available: {', '.join(DATASETS)}")
 
 

@@ -8,18 +8,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lessmem.experiment.data.blocks import RandomBlockLoader
 from lessmem.experiment.data.cache import decode_samples
 from lessmem.experiment.data.datasets import dataset_splits
 from lessmem.experiment.data.images import TensorImages
 from lessmem.experiment.data.loaders import TensorLoader
 from lessmem.experiment.data.scan import ImageFolderSplit
 from lessmem.experiment.data.sharding import EpochSharding
+from lessmem.experiment.data.text import TokenStream
 
 
 def fixed_batches(cfg: Any, n: int, batch_size: int, split: str = "train", seed: int = 0) -> list[tuple[Tensor, Tensor]]:
     """The first ``n`` seeded-shuffled, un-augmented batches of the configured dataset: for
     in-memory data, exactly the first batches a training loader of ``seed`` yields at epoch 0
-    without augmentation."""
+    without augmentation; for text, the first random blocks a training loader of ``seed`` draws."""
     from omegaconf import OmegaConf
 
     ds_cfg = OmegaConf.to_container(cfg.dataset, resolve=True)
@@ -28,6 +30,8 @@ def fixed_batches(cfg: Any, n: int, batch_size: int, split: str = "train", seed:
     available = len(data) // batch_size
     if available < n:
         raise ValueError(f"dataset has only {available} batches of {batch_size} ({split} split), asked for {n}")
+    if isinstance(data, TokenStream):  # random blocks, as batches of a training loader of seed
+        return list(RandomBlockLoader(data, batch_size, seed=seed, max_steps=n))
     if not isinstance(data, (TensorImages, ImageFolderSplit)):
         return _dataset_batches(data, n, batch_size, seed)
     sharding = EpochSharding(len(data), batch_size, shuffle=True, drop_last=True, seed=seed, max_steps=n)

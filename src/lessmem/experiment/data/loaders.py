@@ -1,5 +1,6 @@
 """Training and evaluation loaders with one interface (``set_epoch``, ``len``, iteration over
-normalized ``(images, labels)``): tensors in memory, or a torch DataLoader for large images."""
+normalized ``(images, labels)`` or ``(tokens, next tokens)``): tensors in memory, a torch
+DataLoader for large images, token blocks for text."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import torch
 from torch import Tensor
 
 from lessmem.experiment.data.augment import random_crop_flip
+from lessmem.experiment.data.blocks import RandomBlockLoader, SequentialBlockLoader
 from lessmem.experiment.data.datasets import build_datasets
 from lessmem.experiment.data.images import TensorImages
 from lessmem.experiment.data.sharding import EpochSharding
+from lessmem.experiment.data.text import TokenStream
 
 
 class TensorLoader:
@@ -91,11 +94,14 @@ class DatasetLoader:
 def build_loaders(
     cfg: Mapping[str, Any], batch_size: int, eval_batch_size: int, seed: int, max_steps: int | None = None,
     rank: int = 0, world_size: int = 1,
-) -> tuple[TensorLoader | DatasetLoader, TensorLoader | DatasetLoader]:
+) -> tuple[Any, Any]:
     """(train_loader, val_loader) for the ``dataset`` config group. Batch sizes are per rank;
     with ``world_size`` > 1 each loader yields rank ``rank``'s shard of every global batch."""
     train, val = build_datasets(cfg)
     shard = {"rank": rank, "world_size": world_size}
+    if isinstance(train, TokenStream):
+        return (RandomBlockLoader(train, batch_size, seed=seed, max_steps=max_steps, **shard),
+                SequentialBlockLoader(val, eval_batch_size, max_blocks=cfg.get("val_blocks"), **shard))
     if not isinstance(train, TensorImages):
         workers = int(cfg.get("workers", 0))
         return (DatasetLoader(train, batch_size, shuffle=True, workers=workers, seed=seed, max_steps=max_steps,
