@@ -144,7 +144,12 @@ def test_bad_requests_say_what_is_wrong(menu: MenuResult) -> None:
 
 
 def test_menu_and_map_files_round_trip(menu: MenuResult, tmp_path) -> None:
-    menu.save(tmp_path)
+    from PIL import Image
+
+    paths = menu.save(tmp_path)
+    with Image.open(paths["png"]) as im:
+        im.verify()
+    assert len(paths["csv"].read_text().splitlines()) == 1 + sum(len(i.options) for i in menu.items)
     again = MenuResult.load(tmp_path)
     choice = menu.make_map(0.4)
     assert again.make_map(0.4).map == choice.map

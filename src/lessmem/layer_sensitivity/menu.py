@@ -194,9 +194,12 @@ class MenuResult:
             raise FileNotFoundError(f"no menu measurement at {path} (lessmem-sensitivity sensitivity.menu=true writes it)")
         return cls.from_dict(json.loads(path.read_text()))
 
-    def save(self, out_dir: str | Path) -> dict[str, Path]:
-        """Write menu.json (everything) and menu.csv (per item x option: bytes, mean criteria)."""
+    def save(self, out_dir: str | Path, heatmap: bool = True) -> dict[str, Path]:
+        """Write menu.json (everything), menu.csv (per item x option: bytes, mean criteria) and
+        menu.png (the whole-gradient error of every option)."""
         import csv
+
+        from lessmem.layer_sensitivity.menu_plot import plot_menu
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -207,6 +210,10 @@ class MenuResult:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
+        if heatmap:
+            title = (f"{self.meta.get('model', 'model')} ({self.meta.get('weights', '')}): whole-gradient error "
+                     f"of each option, {self.meta.get('batches', '?')} batches")
+            paths["png"] = plot_menu(self, out / "menu.png", title)
         return paths
 
 

@@ -1,0 +1,42 @@
+"""Heat maps of a menu measurement: per item x option, the whole-gradient error (log scale), one
+panel for conv inputs and one for BatchNorm / activation inputs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from lessmem.layer_sensitivity.menu import MenuResult
+
+
+def plot_menu(result: MenuResult, path: str | Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [[i for i in result.items if i.kind == "conv"], [i for i in result.items if i.kind != "conv"]]
+    panels = [p for p in panels if p]
+    widths = [len(p[0].options) for p in panels]
+    height = 1.6 + 0.28 * max(len(p) for p in panels)
+    fig, axes = plt.subplots(1, len(panels), figsize=(2.5 + 0.42 * sum(widths), height), squeeze=False,
+                             gridspec_kw={"width_ratios": widths})
+    floor = 1e-8  # exact options (error 0) drawn at the floor
+    for ax, items in zip(axes[0], panels, strict=True):
+        options = items[0].options
+        grid = np.array([[max(v, floor) for v in item.mean("grad_error")] for item in items])
+        im = ax.imshow(np.log10(grid), cmap="magma_r", vmin=math.log10(floor), vmax=0.0, aspect="auto")
+        ax.set_xticks(range(len(options)), options, rotation=90, fontsize=7)
+        ax.set_yticks(range(len(items)), [i.name for i in items], fontsize=7)
+        ax.set_xlabel("conv input: kernel / storage" if items[0].kind == "conv" else "input storage", fontsize=8)
+    fig.colorbar(im, ax=axes[0].tolist(), label="log10 whole-gradient relative error")
+    fig.suptitle(title, fontsize=9)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
