@@ -229,7 +229,7 @@ def _leave(module: nn.Module, args: object, output: object) -> None:
 
 def _prune() -> None:
     """Drop entries whose packed copy, source or part is gone."""
-    for key in [k for k, (base, stored) in _shared.items() if base() is None or (stored and stored() is None)]:
+    for key in [k for k, (base, stored) in _shared.items() if base() is None or (stored is not None and stored() is None)]:
         del _shared[key]
     for key in [k for k, (part, _) in _parts.items() if part() is None]:
         del _parts[key]
