@@ -15,6 +15,7 @@ from lessmem.experiment.data import build_datasets, build_loaders
 from lessmem.experiment.loggers import CsvLogger, Logger, build_logger
 from lessmem.experiment.optim import build_optimizer, build_scheduler
 from lessmem.experiment.paths import conf_dir
+from lessmem.experiment.task import task_of
 from lessmem.models import MODELS, build_model
 
 CONF = conf_dir()
@@ -58,13 +59,18 @@ def test_every_group_has_options() -> None:
 @pytest.mark.parametrize("name", options("model"))
 def test_model_option_builds_and_runs(name: str) -> None:
     cfg = compose("train", overrides=[f"model={name}"])
-    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
+    language_model = cfg.model.get("task") == "causal_lm"
+    if language_model:
+        pytest.importorskip("transformers")
+        cfg = compose("train", overrides=[f"model={name}", "dataset=stdlib_text"])
+    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k not in ("name", "task")}
     model = build_model(cfg.model.name, **kwargs).eval()
     size = FIXED_INPUT.get(name, 32)
     batch = 1 if size > 64 else 2
+    x = task_of(cfg).random_inputs(cfg.dataset, batch) if language_model else torch.randn(batch, 3, size, size)
     with torch.no_grad():
-        out = model(torch.randn(batch, 3, size, size))
-    assert out.shape == (batch, cfg.dataset.num_classes)
+        out = model(x)
+    assert out.shape == (*x.shape[:2], cfg.dataset.num_classes) if language_model else (batch, cfg.dataset.num_classes)
 
 
 def test_models_registry_covers_configs_and_rejects_unknown() -> None:
@@ -84,6 +90,12 @@ def test_resnet20_shape() -> None:
 @pytest.mark.parametrize("name", options("dataset"))
 def test_dataset_option(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LESSMEM_CACHE", str(tmp_path / "cache"))
+    if name == "stdlib_text":  # text: token blocks and their next tokens (tests/test_lm.py has more)
+        cfg = compose("train", overrides=[f"dataset={name}", "dataset.size_mb=0.5", "model=tiny_llama"])
+        x, y = next(iter(build_loaders(cfg.dataset, 8, 16, seed=0)[0]))
+        assert x.shape == y.shape == (8, cfg.dataset.seq_len) and x.dtype == torch.int64
+        assert int(x.max()) < cfg.model.num_classes == 256
+        return
     over = [f"dataset={name}", "dataset.train_subset=20", "dataset.val_subset=10"]
     if name == "imagenet":
         over.append(f"dataset.root={tmp_path / 'missing'}")

@@ -18,6 +18,16 @@ def _transformers(model: str) -> ModuleType:
     return transformers
 
 
+# The "tiny" sizes, so that a builder called with a vocabulary alone is small (HF's own defaults
+# are 7B-parameter Llama and 124M-parameter GPT-2); config fields given override them.
+TINY_LLAMA = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "intermediate_size": 512, "max_position_embeddings": 1024}
+TINY_GPT2 = {"n_embd": 256, "n_layer": 4, "n_head": 4, "n_positions": 1024, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+             "attn_pdrop": 0.0,
+             # GPT2Config's defaults name token 50256 (outside a byte vocabulary); nothing here uses them.
+             "bos_token_id": None, "eos_token_id": None}
+
+
 class CausalLM(nn.Module):
     """An HF ``*ForCausalLM`` returning next-token logits (batch, seq, vocab) instead of a
     ModelOutput, without a key/value cache (training only), so the loss, memory probes and
@@ -32,16 +42,16 @@ class CausalLM(nn.Module):
 
 
 def tiny_llama(num_classes: int = 256, **config: Any) -> nn.Module:
-    """LlamaForCausalLM with vocabulary ``num_classes``; ``config``: LlamaConfig fields
-    (hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, ...)."""
+    """LlamaForCausalLM with vocabulary ``num_classes``; ``config``: LlamaConfig fields over
+    ``TINY_LLAMA`` (hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, ...)."""
     transformers = _transformers("tiny_llama")
-    return CausalLM(transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=num_classes, **config)))
+    lm_config = transformers.LlamaConfig(vocab_size=num_classes, **{**TINY_LLAMA, **config})
+    return CausalLM(transformers.LlamaForCausalLM(lm_config))
 
 
 def tiny_gpt2(num_classes: int = 256, **config: Any) -> nn.Module:
-    """GPT2LMHeadModel with vocabulary ``num_classes``; ``config``: GPT2Config fields
-    (n_embd, n_layer, n_head, n_positions, resid_pdrop, ...)."""
+    """GPT2LMHeadModel with vocabulary ``num_classes``; ``config``: GPT2Config fields over
+    ``TINY_GPT2`` (n_embd, n_layer, n_head, n_positions, resid_pdrop, ...)."""
     transformers = _transformers("tiny_gpt2")
-    # GPT2Config's defaults name token 50256 (outside a byte vocabulary); nothing here uses them.
-    config = {"bos_token_id": None, "eos_token_id": None, **config}
-    return CausalLM(transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=num_classes, **config)))
+    lm_config = transformers.GPT2Config(vocab_size=num_classes, **{**TINY_GPT2, **config})
+    return CausalLM(transformers.GPT2LMHeadModel(lm_config))
