@@ -9,6 +9,7 @@ machine noise hits both alike; the reported ratio is median(compressed) / median
     python benchmarks/speed.py --model resnet20 --size 32 --batch 128 --channels-last
     python benchmarks/speed.py --model resnet18 --size 64 --batch 16 --profile 2   # top ops
     python benchmarks/speed.py --maps 2/int4 --profile 2x2/int4     # top ops of a --maps config
+    python benchmarks/speed.py --threads 1 --clock cpu    # CPU time: steadier on a shared machine
 
 Models: torchvision names and lessmem's registry (resnet20, resnet18_cifar, ...). ``--kernels K``
 times the map {"*": K}; ``--maps SPEC`` times {"*": SPEC} for a spec string of ``lessmem.compress``
@@ -49,6 +50,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: elapsed time; cpu: this process's CPU time (all its threads), which "
+                             "other processes on a shared CPU disturb far less (use with --threads 1: "
+                             "idle OpenMP threads spin, and that counts too)")
     parser.add_argument("--compile", action="store_true", help="torch.compile stock and compressed models")
     parser.add_argument("--channels-last", action="store_true", help="NHWC model and input (oneDNN)")
     parser.add_argument("--profile", default=None, metavar="CONFIG",
@@ -73,19 +78,21 @@ def main() -> None:
     x = torch.randn(args.batch, 3, args.size, args.size).contiguous(memory_format=fmt)
     y = torch.randint(0, 10, (args.batch,))
 
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     times: dict[str, list[float]] = {n: [] for n in models}
     for i in range(args.warmup + args.repeats):
         for name, model in models.items():  # alternate configurations every step
-            t0 = time.perf_counter()
+            t0 = clock()
             train_step(model, optimizers[name], x, y)
             if i >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(clock() - t0)
 
     base = statistics.median(times["stock"])
     mode = "torch.compile" if args.compile else "eager"
     layout = ", channels-last" if args.channels_last else ""
     print(f"{args.model}, {mode}{layout}, batch {args.batch}, {args.size}x{args.size}, fp32, "
-          f"{torch.get_num_threads()} threads, {args.repeats} alternating steps each, torch {torch.__version__}")
+          f"{torch.get_num_threads()} threads, {args.repeats} alternating steps each, {args.clock} clock, "
+          f"torch {torch.__version__}")
     print("| config | median step (s) | min (s) | ratio to stock |")
     print("|---|---|---|---|")
     for name, ts in times.items():

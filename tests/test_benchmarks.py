@@ -30,7 +30,7 @@ def test_speed_benchmark_prints_a_ratio_per_configuration() -> None:
 
 def test_speed_benchmark_times_spec_maps_beside_kernels() -> None:
     out = _run("speed.py", "--model", "resnet18", "--size", "32", "--batch", "2", "--kernels", "2",
-               "--maps", "2", "int8", "2/int4", "--repeats", "1", "--warmup", "1")
+               "--maps", "2", "int8", "2/int4", "--repeats", "1", "--warmup", "1", "--clock", "cpu")
     rows = re.findall(r"^\| (\S+) \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", out, re.M)
     assert rows == ["stock", "2x2", "1x1/int8", "2x2/int4"], out  # "2" is the 2x2 of --kernels
 
