@@ -104,7 +104,8 @@ def markdown(result: dict) -> str:
     lines = ["# Maps at a memory budget (resnet20, CIFAR-10)", ""]
     if "stock" in result:
         s = result["stock"]
-        lines += [f"Stock: {s['mean']:.2f} ± {_fmt(s['std'], '.2f')} top-1 over seeds {s['seeds']}.", ""]
+        lines += [f"Stock: {s['mean']:.2f} ± {_fmt(s['std'], '.2f')} top-1 over seeds {s['seeds']}.", "",
+                  "![memory vs accuracy frontier](frontier.png)", ""]
     for budget, data in result["budgets"].items():
         lines += [f"## Budget: {BUDGETS[budget]} (saved-bytes ratio <= {data['limit']:.3f})", "",
                   "| config | saved ratio | fits | seeds | top-1 mean ± std | per seed | vs stock (paired) "

@@ -98,6 +98,7 @@ def markdown(result: dict) -> str:
              "| criterion | Spearman rho with final top-1 (+1 = perfect) |", "|---|---:|"]
     lines += [f"| {CRITERIA[c][0]} | {rho[c]:+.3f} |" for c in CRITERIA]
     lines += ["", f"Best predictor: **{CRITERIA[result['best']][0]}**.", "",
+              "![final top-1 against each criterion](scatter.png)", "",
               "| map | kind | final top-1 | saved ratio (measured) | predicted | grad_error | loss_change | cosine |",
               "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(result["rows"], key=lambda r: -r["top1"]):

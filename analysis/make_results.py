@@ -181,6 +181,32 @@ def proof_section(proof: Path, docs: Path) -> list[str]:
     return [text.replace("\n## ", "\n### "), ""]
 
 
+def budget_section(results: Path, docs: Path) -> list[str]:
+    """Issue 19: the menu measurement, the criterion check and the budget proof (their summary.md
+    files, written by analysis/criterion_summary.py and analysis/budget_summary.py)."""
+    lines = []
+    for sub, title, missing in (
+        ("menu.md", "The compressor menu of resnet20", "lessmem-sensitivity ... sensitivity.menu=true"),
+        ("criterion_check/summary.md", "Does the criterion predict accuracy?",
+         "python analysis/criterion_check.py, then python analysis/criterion_summary.py"),
+        ("budget_proof/summary.md", "Maps at a memory budget: chosen vs uniform, paired seeds",
+         "python analysis/budget_proof.py, then python analysis/budget_summary.py"),
+    ):
+        md = results / sub
+        lines += [f"### {title}", ""]
+        if not md.is_file():
+            lines += [f"*Not run yet: `{missing}`.*", ""]
+            continue
+        text = md.read_text()
+        if text.startswith("# "):
+            text = text.split("\n", 1)[1]
+        prefix = rel(md.parent, docs)
+        for name in ("scatter.png", "frontier.png", "menu.png"):
+            text = text.replace(f"({name})", f"({prefix}/{name})")
+        lines += [text.replace("\n## ", "\n#### ").strip(), ""]
+    return lines
+
+
 def embed_table(md: Path, docs: Path) -> list[str]:
     if not md.is_file():
         return [f"*Missing: {rel(md, REPO)}*", ""]
@@ -266,6 +292,9 @@ def build(args: argparse.Namespace) -> str:
         "## Accuracy: sensitivity-chosen maps vs uniform 2×2 at the same bytes (resnet20, CIFAR-10)",
         "",
         *proof_section(results / "proof", docs),
+        "## Maps at a memory budget: the compressor menu and its criterion (resnet20, CIFAR-10)",
+        "",
+        *budget_section(results, docs),
         "## Vision transformers",
         "",
         "Baseline: the stock model (same batch). vit_b_16: batch 8, 224×224, random init "
