@@ -19,6 +19,7 @@ import csv
 import json
 import os
 import platform
+import re
 import shutil
 from pathlib import Path
 
@@ -201,8 +202,7 @@ def budget_section(results: Path, docs: Path) -> list[str]:
         if text.startswith("# "):
             text = text.split("\n", 1)[1]
         prefix = rel(md.parent, docs)
-        for name in ("scatter.png", "frontier.png", "menu.png"):
-            text = text.replace(f"({name})", f"({prefix}/{name})")
+        text = re.sub(r"\]\((?!https?:|/)([^)]+)\)", lambda m: f"]({prefix}/{m.group(1)})", text)
         lines += [text.replace("\n## ", "\n#### ").strip(), ""]
     return lines
 
