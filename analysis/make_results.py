@@ -202,7 +202,7 @@ def budget_section(results: Path, docs: Path) -> list[str]:
         if text.startswith("# "):
             text = text.split("\n", 1)[1]
         prefix = rel(md.parent, docs)
-        text = re.sub(r"\]\((?!https?:|/)([^)]+)\)", lambda m: f"]({prefix}/{m.group(1)})", text)
+        text = re.sub(r"\]\((?!https?:|/)([^)]+)\)", rf"]({prefix}/\1)", text)
         lines += [text.replace("\n## ", "\n#### ").strip(), ""]
     return lines
 
