@@ -20,6 +20,7 @@ import lessmem.experiment.train as train_mod
 from lessmem.cli.sensitivity import main as sensitivity_main
 from lessmem.experiment import compose_config, coverage_for_config, fixed_batches, task_of
 from lessmem.experiment.data import build_loaders
+from lessmem.experiment.data.blocks import RandomBlockLoader, SequentialBlockLoader
 from lessmem.experiment.data.text import stdlib_text, text_files
 from lessmem.experiment.task import TokenCrossEntropy
 from lessmem.experiment.train import TIME_KEYS, run
@@ -83,6 +84,21 @@ def test_random_blocks_are_seeded_per_epoch_and_shifted_by_one() -> None:
     assert len(val) == 16 and torch.equal(val, torch.cat([x for x, _ in val_loader]))
     other_seed, _ = build_loaders(DATA, 4, 8, seed=4, max_steps=3)
     assert not torch.equal(next(iter(other_seed))[0], first[0][0])
+
+
+def test_block_shards_of_two_ranks_equal_one_process(tmp_path: Path) -> None:
+    train, val = stdlib_text({**DATA, "root": str(source_tree(tmp_path, [300] * 6)), "val_every": 3, "seq_len": 8})
+    full = list(RandomBlockLoader(train, 6, seed=1, max_steps=4))
+    shards = [list(RandomBlockLoader(train, 3, seed=1, max_steps=4, rank=r, world_size=2)) for r in range(2)]
+    for step, (x, y) in enumerate(full):
+        assert torch.equal(torch.cat([shards[0][step][0], shards[1][step][0]]), x)
+        assert torch.equal(torch.cat([shards[0][step][1], shards[1][step][1]]), y)
+    # 74 validation blocks in batches of 2 x 4: the last global batch leaves rank 1 without rows.
+    one = torch.cat([x for x, _ in SequentialBlockLoader(val, 8)])
+    ranks = [list(SequentialBlockLoader(val, 4, rank=r, world_size=2)) for r in range(2)]
+    assert len(ranks[0]) == len(ranks[1]) + 1
+    assert sorted(map(tuple, torch.cat([x for part in ranks for x, _ in part]).tolist())) == sorted(
+        map(tuple, one.tolist()))
 
 
 def test_fixed_batches_are_a_training_loaders_first_batches() -> None:

@@ -4,7 +4,6 @@ compressed layers, validation metrics (the task's), fixed probe batches."""
 from __future__ import annotations
 
 import copy
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -90,11 +89,11 @@ def evaluate(model: nn.Module, loader: Any, task: Task, device: torch.device,
              precision: str) -> dict[str, float]:
     """The task's validation metrics (``val_loss`` and ``val_top1`` / ``val_ppl`` ...) over ``loader``."""
     model.eval()
-    sums: dict[str, float] = defaultdict(float)
+    sums = dict.fromkeys(task.eval_keys, 0.0)
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast(device, precision):
             logits = model(x)
         for key, value in task.eval_sums(logits, y).items():
             sums[key] += value
-    return task.eval_record(dict(zip(sums, all_reduce_sum(list(sums.values()), device), strict=True)))
+    return task.eval_record(dict(zip(sums, all_reduce_sum(list(sums.values()), device), strict=True)))  # shards

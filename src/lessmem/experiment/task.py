@@ -33,6 +33,9 @@ class Task(Protocol):
 
     name: str
     samples: str  # what one row of a batch is, for titles
+    # The sums' keys: every rank reduces all of them, even one whose shard had no batch.
+    train_keys: tuple[str, ...]
+    eval_keys: tuple[str, ...]
     criterion: nn.Module
 
     def train_sums(self, logits: Tensor, targets: Tensor, loss: Tensor) -> dict[str, float]: ...
@@ -53,6 +56,8 @@ class Task(Protocol):
 class Classification:
     name = "classification"
     samples = "images"
+    train_keys = ("loss", "correct", "n")
+    eval_keys = ("loss", "top1", "top5", "n")
 
     def __init__(self, label_smoothing: float) -> None:
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
@@ -96,6 +101,8 @@ class CausalLM:
 
     name = "causal_lm"
     samples = "sequences"
+    train_keys = ("loss", "tokens")
+    eval_keys = ("loss", "tokens")
 
     def __init__(self, label_smoothing: float) -> None:
         self.criterion = TokenCrossEntropy(label_smoothing)

@@ -195,7 +195,7 @@ def train_epoch(model: nn.Module, loader: Any, task: Task, optimizer: torch.opti
                 epoch: int, steps_per_epoch: int, logger: Any, out_dir: Path) -> dict[str, Any]:
     model.train()
     lr = optimizer.param_groups[0]["lr"]
-    sums: dict[str, float] = defaultdict(float)
+    sums = dict.fromkeys(task.train_keys, 0.0)
     cos_every = int(cfg.get("grad_cosine_every") or 0)
     cos_sums: dict[str, list[float]] = defaultdict(list)
     start = time.perf_counter()
