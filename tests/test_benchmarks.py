@@ -41,6 +41,13 @@ def test_speed_benchmark_names_a_bad_spec() -> None:
     assert proc.returncode == 2 and "--maps 2/int3" in proc.stderr and "unknown storage 'int3'" in proc.stderr
 
 
+def test_storage_cost_times_fused_and_reference_packing() -> None:
+    out = _run("storage_cost.py", "--model", "resnet20", "--size", "16", "--batch", "2", "--maps", "int4", "2/int8")
+    for spec in ("int4", "2/int8"):
+        for packing in ("fused", "reference"):
+            assert re.search(rf"^\| {spec} \| {packing} \| [\d.]+ \| [\d.]+ \| \d+ \| [\d.]+% \|$", out, re.M), out
+
+
 def test_profile_diff_lists_ops_of_both_models() -> None:
     out = _run("profile_diff.py", "32", "2", "1", "--rounds", "1", "--top", "40")
     assert re.search(r"^total: stock [\d.]+, 2x2 [\d.]+$", out, re.M), out
