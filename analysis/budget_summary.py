@@ -53,7 +53,7 @@ def budget_limit(runs: dict[str, dict[int, dict]], budget: str) -> float:
 def summarize(out: Path) -> dict:
     runs = load(out)
     stock = runs.get("stock", {})
-    result: dict = {"budgets": {}}
+    result: dict = {"budgets": {}, "schedule": schedule(out)}
     for budget in BUDGETS:
         limit = budget_limit(runs, budget)
         rows = []
@@ -100,8 +100,24 @@ def _fmt(v: float, spec: str = "+.2f") -> str:
     return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
+def schedule(out: Path) -> str:
+    """The training schedule, read from the first stock run's config.yaml."""
+    import yaml
+
+    configs = sorted((out / "runs" / "stock").glob("seed*/config.yaml"))
+    if not configs:
+        return "unknown (no stock run)"
+    c = yaml.safe_load(configs[0].read_text())
+    opt, data = c.get("optimizer", {}), c.get("dataset", {})
+    return (f"{c.get('model', {}).get('name')}, {c.get('epochs')} epochs on a balanced {data.get('train_subset')}-image "
+            f"CIFAR-10 subset, batch {c.get('batch_size')}, {opt.get('name')} lr {opt.get('lr')}, "
+            f"{c.get('scheduler', {}).get('name')} schedule, full 10,000-image test set")
+
+
 def markdown(result: dict) -> str:
-    lines = ["# Maps at a memory budget (resnet20, CIFAR-10)", ""]
+    lines = ["# Maps at a memory budget (resnet20, CIFAR-10)", "",
+             f"Schedule: {result.get('schedule', 'unknown')}. Every configuration on the same seeds (paired); "
+             "p: two-sided paired t-test.", ""]
     if "stock" in result:
         s = result["stock"]
         lines += [f"Stock: {s['mean']:.2f} ± {_fmt(s['std'], '.2f')} top-1 over seeds {s['seeds']}.", "",
