@@ -101,14 +101,14 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0))
 
 
-def measure_row(name: str, batch: int, tokens: int) -> Row:
+def measure_row(name: str, batch: int, tokens: int, lossy_map: str = "2") -> Row:
     torch.manual_seed(0)
     model, x = build(name, batch, tokens)
     stock = lessmem.measure_memory(model, x)
     stock_grad = whole_gradient(model, x)
     ratios, grads = [], []
-    for options in ({}, LOSSY_8BIT):
-        compressed = lessmem.compress(copy.deepcopy(model), {"*": 2}, **options)
+    for mapping, options in (({"*": 2}, {}), ({"*": lossy_map}, LOSSY_8BIT)):
+        compressed = lessmem.compress(copy.deepcopy(model), mapping, **options)
         ratios.append(lessmem.measure_memory(compressed, x).ratio_to(stock))
         grads.append(whole_gradient(compressed, x))
     return Row(name, stock.total_bytes / 2**20, ratios[0], cosine(grads[0], stock_grad), ratios[1],
@@ -137,14 +137,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=256, help="sequence length of the HF text models")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--lossy-map", default="2",
+                        help="the lossy row's map value for every layer: 2 (pooled, as the exact row) or e.g. "
+                             "int8 (no pooling, 8-bit linear / conv inputs)")
     args = parser.parse_args()
     rows = []
     for name in args.models:
-        rows.append(measure_row(name, args.batch, args.tokens))
+        rows.append(measure_row(name, args.batch, args.tokens, args.lossy_map))
         r = rows[-1]
         print(f"{name}: exact {r.exact_ratio:.3f} (cosine {r.exact_cosine:.4f}), lossy 8-bit {r.lossy_ratio:.3f} "
               f"(cosine {r.lossy_cosine:.4f}, {r.lossy_vs_exact:.6f} to exact)", flush=True)
-    header = (f"Saved bytes, stock vs `lessmem.compress(m, {{\"*\": 2}})` (exact mode) and the same map with "
+    lossy = ("the same map" if args.lossy_map == "2" else f"`{{\"*\": \"{args.lossy_map}\"}}` (no pooling)")
+    header = (f"Saved bytes, stock vs `lessmem.compress(m, {{\"*\": 2}})` (exact mode) and {lossy} with "
               f"`act_storage`, `norm_storage`, `saved_storage` all `\"int8\"` (lossy 8-bit), CPU fp32, batch "
               f"{args.batch}, images 224 px, text {args.tokens} tokens; cosine: whole parameter gradient vs "
               f"stock's (last column: lossy vs exact); timm {timm.__version__}, transformers {transformers.__version__}, torch {torch.__version__}.")

@@ -248,3 +248,28 @@ def test_every_option_has_a_one_sentence_description() -> None:
                   for option, text in options.items() if not text.endswith((".", "!", "?"))}
     assert not incomplete, incomplete
     assert set(config_options()["optimizer"]) == set(options("optimizer"))
+
+
+def test_storage_options_reach_the_run(compose, tiny) -> None:
+    """act_storage / saved_storage are compression settings like norm_storage: composed, recorded,
+    applied, and part of the choice's hash only when lossy (older runs keep their hashes)."""
+    import torch
+
+    from lessmem.core import measure_memory
+    from lessmem.experiment.compression import resolve_compression
+    from lessmem.models import build_model
+
+    plain = resolve_compression(compose(*tiny).compression)
+    lossy = resolve_compression(compose(*tiny, "compression.saved_storage=int8", "compression.act_storage=bf16").compression)
+    assert (lossy.saved_storage, lossy.act_storage) == ("int8", "bf16")
+    assert plain.record()["saved_storage"] == "native" and lossy.record()["saved_storage"] == "int8"
+    assert lossy.digest != plain.digest
+    assert plain.digest == resolve_compression(compose(*tiny, "compression.saved_storage=native").compression).digest
+    x = torch.randn(4, 3, 32, 32)
+    nets = []
+    for choice in (plain, lossy):
+        torch.manual_seed(0)
+        net = build_model("resnet20", num_classes=10).train()
+        choice.apply(net)
+        nets.append(measure_memory(net, x).total_bytes)
+    assert nets[1] < nets[0]

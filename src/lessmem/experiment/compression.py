@@ -2,7 +2,7 @@
 settings it runs with (exact companions, norm storage), with a short hash that labels the run.
 
 A map file is a complete choice: its ``name:`` labels the run, and its own ``exact_companions`` /
-``norm_storage`` / ``act_storage`` keys (when present) win over the preset's. ``exact_companions: null`` (the
+``norm_storage`` / ``act_storage`` / ``saved_storage`` keys (when present) win over the preset's. ``exact_companions: null`` (the
 ``none`` preset) means "on whenever the map compresses a layer", so a map file given on top of
 the stock preset never runs without the 1-bit masks and compact max-pool by accident.
 """
@@ -22,7 +22,7 @@ from torch import nn
 from lessmem.core import compress, parse_spec
 from lessmem.experiment.paths import resolve_path
 
-FILE_SETTINGS = ("exact_companions", "norm_storage", "act_storage")
+FILE_SETTINGS = ("exact_companions", "norm_storage", "act_storage", "saved_storage")
 
 
 @dataclass(frozen=True)
@@ -33,27 +33,30 @@ class CompressionChoice:
     norm_storage: Any  # "native" | "bf16" | "int8" | ... or {pattern: storage}
     source: str  # "config" or the map file's path
     act_storage: Any = "native"  # GELU / SiLU inputs, as norm_storage
+    saved_storage: Any = "native"  # every other saved tensor inside matched modules ({module pattern: storage})
 
     @property
     def digest(self) -> str:
         """10 hex digits of the map and its settings: equal choices, equal digests."""
         fields = {"map": self.map, "exact_companions": self.exact_companions, "norm_storage": self.norm_storage}
-        if self.act_storage != "native":  # runs from before act_storage keep their digests
-            fields["act_storage"] = self.act_storage
+        for key in ("act_storage", "saved_storage"):  # runs from before these options keep their digests
+            if getattr(self, key) != "native":
+                fields[key] = getattr(self, key)
         text = json.dumps(fields, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:10]
 
     def apply(self, net: nn.Module, mapping: dict[str, Any] | None = None) -> None:
         """Compress ``net`` with ``mapping`` (default: this choice's map) and this choice's settings."""
         compress(net, self.map if mapping is None else mapping, norm_storage=self.norm_storage,
-                 act_storage=self.act_storage, exact_companions=self.exact_companions)
+                 act_storage=self.act_storage, saved_storage=self.saved_storage,
+                 exact_companions=self.exact_companions)
 
     def record(self) -> dict[str, Any]:
         """What a run's metrics carry about its compression (tables and W&B label runs by it)."""
         return {"compression": self.name, "compression_hash": self.digest,
                 "compression_source": self.source, "compression_map": self.map,
                 "exact_companions": self.exact_companions, "norm_storage": self.norm_storage,
-                "act_storage": self.act_storage}
+                "act_storage": self.act_storage, "saved_storage": self.saved_storage}
 
 
 def _plain(value: Any) -> Any:
@@ -110,8 +113,9 @@ def resolve_compression(ccfg: DictConfig) -> CompressionChoice:
         exact = _compresses(mapping)
     norm_storage = _plain(settings.get("norm_storage", ccfg.get("norm_storage", "native")))
     act_storage = _plain(settings.get("act_storage", ccfg.get("act_storage", "native")))
-    return CompressionChoice(name=name, map=mapping, exact_companions=bool(exact),
-                             norm_storage=norm_storage, source=source, act_storage=act_storage)
+    saved_storage = _plain(settings.get("saved_storage", ccfg.get("saved_storage", "native")))
+    return CompressionChoice(name=name, map=mapping, exact_companions=bool(exact), norm_storage=norm_storage,
+                             source=source, act_storage=act_storage, saved_storage=saved_storage)
 
 
 def compress_from_config(net: nn.Module, mapping: dict[str, Any], cfg: DictConfig) -> None:
