@@ -59,6 +59,31 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
+def bootstrap(rows: list[dict], best: str, resamples: int = 2000, seed: int = 0) -> dict[str, list[float]]:
+    """95% bootstrap intervals (maps resampled with replacement) of each criterion's rho, and of
+    its difference to the best one's: is the ranking of the criteria beyond the noise of one seed?"""
+    import random
+
+    rng = random.Random(seed)
+    draws: dict[str, list[float]] = {c: [] for c in CRITERIA} | {f"{c}-{best}": [] for c in CRITERIA if c != best}
+    for _ in range(resamples):
+        sample = [rows[rng.randrange(len(rows))] for _ in rows]
+        top1 = [r["top1"] for r in sample]
+        rho = {c: sign * spearman([r[c] for r in sample], top1) for c, (_, sign, _) in CRITERIA.items()}
+        if any(math.isnan(v) for v in rho.values()):
+            continue
+        for c in CRITERIA:
+            draws[c].append(rho[c])
+            if c != best:
+                draws[f"{c}-{best}"].append(rho[c] - rho[best])
+    return {k: [_quantile(v, 0.025), _quantile(v, 0.975)] for k, v in draws.items() if v}
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
 def load_rows(out: Path, menu: MenuResult) -> list[dict]:
     rows = []
     stock = json.loads((out / "runs" / "stock" / "seed0" / "metrics.json").read_text())
@@ -84,7 +109,8 @@ def summarize(out: Path) -> dict:
     top1 = [r["top1"] for r in rows]
     rho = {c: sign * spearman([r[c] for r in rows], top1) for c, (_, sign, _) in CRITERIA.items()}
     best = max((c for c in rho if c != "ratio"), key=lambda c: rho[c])
-    result = {"maps": len(rows), "rows": rows, "spearman": rho, "best": best, "meta": menu.meta}
+    result = {"maps": len(rows), "rows": rows, "spearman": rho, "best": best, "meta": menu.meta,
+              "interval": bootstrap(rows, best)}
     (out / "summary.json").write_text(json.dumps(result, indent=2))
     (out / "summary.md").write_text(markdown(result))
     plot(rows, rho, out / "scatter.png")
@@ -95,8 +121,14 @@ def markdown(result: dict) -> str:
     rho = result["spearman"]
     lines = [f"{result['maps']} maps (stock included), resnet20 on CIFAR-10, one seed each, the same short schedule; "
              "criteria predicted from one storage-menu measurement of the stock model after one epoch.", "",
-             "| criterion | Spearman rho with final top-1 (+1 = perfect) |", "|---|---:|"]
-    lines += [f"| {CRITERIA[c][0]} | {rho[c]:+.3f} |" for c in CRITERIA]
+             "| criterion | Spearman rho with final top-1 (+1 = perfect) | 95% bootstrap interval | minus the best's rho (95%) |",
+             "|---|---:|---|---|"]
+    ci = result.get("interval", {})
+    for c in CRITERIA:
+        lo, hi = ci.get(c, [math.nan, math.nan])
+        dlo, dhi = ci.get(f"{c}-{result['best']}", [math.nan, math.nan])
+        diff = "—" if c == result["best"] else f"[{dlo:+.3f}, {dhi:+.3f}]"
+        lines.append(f"| {CRITERIA[c][0]} | {rho[c]:+.3f} | [{lo:+.3f}, {hi:+.3f}] | {diff} |")
     lines += ["", f"Best predictor: **{CRITERIA[result['best']][0]}**.", "",
               "![final top-1 against each criterion](scatter.png)", "",
               "| map | kind | final top-1 | saved ratio (measured) | predicted | grad_error | loss_change | cosine |",

@@ -29,6 +29,7 @@ from lessmem.experiment import (
 )
 from lessmem.layer_sensitivity import (
     CRITERIA,
+    DEFAULT_CRITERION,
     DEFAULT_KERNELS,
     MenuResult,
     SensitivityResult,
@@ -49,7 +50,7 @@ _DEFAULTS = {
     "min_cosine": None,
     "groups": None,
     "menu": False,          # true: the whole kernel x storage menu, whole-gradient criterion
-    "criterion": "grad_error",  # menu maps: grad_error | loss_change | cosine
+    "criterion": DEFAULT_CRITERION,  # menu maps: grad_error | loss_change | cosine
 }
 # Uniform options the menu summary prints (conv spec, BatchNorm storage).
 _UNIFORM = [("2", "native"), ("4", "native"), ("int8", "native"), ("int8", "int8"), ("2/int4", "native"),

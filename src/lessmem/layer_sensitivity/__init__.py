@@ -7,12 +7,20 @@ from lessmem.layer_sensitivity.geometry import conv_layers
 from lessmem.layer_sensitivity.groups import group_layers
 from lessmem.layer_sensitivity.io import append_history, read_map_yaml, write_map_yaml
 from lessmem.layer_sensitivity.measure import DEFAULT_KERNELS, sensitivity
-from lessmem.layer_sensitivity.menu import CRITERIA, MapChoice, MenuItem, MenuResult, option_name
+from lessmem.layer_sensitivity.menu import (
+    CRITERIA,
+    DEFAULT_CRITERION,
+    MapChoice,
+    MenuItem,
+    MenuResult,
+    option_name,
+)
 from lessmem.layer_sensitivity.menu_measure import LOSSY_STORAGES, measure_menu
 from lessmem.layer_sensitivity.result import SensitivityResult
 
 __all__ = [
     "CRITERIA",
+    "DEFAULT_CRITERION",
     "DEFAULT_KERNELS",
     "LOSSY_STORAGES",
     "MapChoice",

@@ -33,6 +33,9 @@ from lessmem.core import first_match, parse_spec
 from lessmem.layer_sensitivity.knapsack import least_value_choice
 
 CRITERIA = ("grad_error", "loss_change", "cosine")
+# The criterion make_map uses unless told otherwise: the one whose ranking of trained maps matched
+# their accuracy best in the criterion check (docs/results/criterion_check/summary.md).
+DEFAULT_CRITERION = "grad_error"
 StorageRule = str | Mapping[str, str]
 
 
@@ -122,7 +125,7 @@ class MenuResult:
 
     # ---- choosing -------------------------------------------------------------------------------
 
-    def make_map(self, budget: float, criterion: str = "grad_error") -> MapChoice:
+    def make_map(self, budget: float, criterion: str = DEFAULT_CRITERION) -> MapChoice:
         """The map of least summed ``criterion`` whose total saved bytes fit ``budget`` (a fraction
         of stock's saved bytes when <= 1, else bytes): a multiple-choice knapsack over the whole
         menu, the layers reading one tensor choosing together."""
