@@ -113,7 +113,6 @@ def max_pool_compact_backward(grad: Tensor, local: Tensor, kernel, stride, paddi
     return _module.max_pool_compact_backward(grad.contiguous(), local, *kernel, *stride, *padding, *dilation, *in_hw)
 
 
-
 def quantize_groups(flat: Tensor, bits: int, key: int) -> tuple[Tensor, Tensor, Tensor]:
     """(codes packed 8 // bits per byte, float32 min and scale per group of 128) of a 1-d
     contiguous tensor; ``key`` seeds the rounding noise below 8 bits."""
