@@ -74,3 +74,13 @@ def test_budget_summary_pairs_seeds_against_stock_and_the_best_uniform(tmp_path:
         pytest.approx(1.0)
     with Image.open(tmp_path / "frontier.png") as im:
         im.verify()
+
+
+def test_a_proof_directory_reads_as_runs_not_as_a_search(tmp_path: Path) -> None:
+    from lessmem.reporting.searches import is_search_dir
+
+    write_run(tmp_path, "stock", 0, 60.0, 1.0)
+    (tmp_path / "summary.json").write_text("{}")
+    assert not is_search_dir(tmp_path)
+    (tmp_path / "trials.csv").write_text("trial\n")
+    assert is_search_dir(tmp_path)

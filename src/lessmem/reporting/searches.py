@@ -14,7 +14,9 @@ from lessmem.reporting.runs import run_row
 
 def is_search_dir(path: str | Path) -> bool:
     p = Path(path)
-    return (p / "study.journal").is_file() or (p / "trials.csv").is_file() or (p / "summary.json").is_file()
+    # A study's files; a summary.json beside run directories is an analysis summary, not a search's.
+    summary = (p / "summary.json").is_file() and not (p / "runs").is_dir()
+    return (p / "study.journal").is_file() or (p / "trials.csv").is_file() or summary
 
 
 def load_search(root: str | Path) -> list[dict[str, Any]]:
