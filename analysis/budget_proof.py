@@ -42,10 +42,11 @@ CONFIGS: dict[str, tuple[str, str | None, str | None]] = {
     "int4_bn2": ("0.15", "int4", "int2"),
     "int2_bn4": ("0.15", "int2", "int4"),
     "chosen_0.15": ("0.15", None, None),
+    "cosine_0.15": ("0.15", None, None),  # the knapsack on mean cosine instead of whole-gradient error
 }
 # The tightest budget first, each chosen map beside the uniform option that fits with the least
 # predicted whole-gradient error (int4_bn2 at 0.15, int8_bn8 at 4x4's bytes); the other options after.
-ORDER = ["chosen_0.15", "int4_bn2", "chosen_4x4", "int8_bn8", "stock", "pool4", "pool2", "pool2_int4_bn4",
+ORDER = ["chosen_0.15", "cosine_0.15", "int4_bn2", "chosen_4x4", "int8_bn8", "stock", "pool4", "pool2", "pool2_int4_bn4",
          "kernels_4x4", "chosen_2x2", "kernels_2x2", "pool2_int4", "int2_bn4"]
 
 
