@@ -127,7 +127,7 @@ def test_knapsack_is_optimal_against_brute_force() -> None:
         best = min((sum(it.mean("grad_error")[j] for it, j in zip(items, combo, strict=True)), combo)
                    for combo in itertools.product(*(range(len(it.options)) for it in items))
                    if 500 + sum(it.nbytes[j] for it, j in zip(items, combo, strict=True)) <= budget * 6000)
-        choice = menu.make_map(budget)
+        choice = menu.make_map(budget, "grad_error")
         assert choice.score["grad_error"] == pytest.approx(best[0])
         assert choice.score["bytes"] <= budget * 6000
 

@@ -35,7 +35,7 @@ from lessmem.layer_sensitivity.knapsack import least_value_choice
 CRITERIA = ("grad_error", "loss_change", "cosine")
 # The criterion make_map uses unless told otherwise: the one whose ranking of trained maps matched
 # their accuracy best in the criterion check (docs/results/criterion_check/summary.md).
-DEFAULT_CRITERION = "grad_error"
+DEFAULT_CRITERION = "cosine"
 StorageRule = str | Mapping[str, str]
 
 
