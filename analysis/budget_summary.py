@@ -162,7 +162,7 @@ def plot_frontier(result: dict, path: Path) -> None:
     ax.set_xlabel("saved-for-backward bytes / stock (batch 32)")
     ax.set_ylabel("final top-1 (%), mean ± std over seeds")
     ax.set_xscale("log")
-    ax.set_title("resnet20 CIFAR-10: memory vs accuracy (o uniform, ◆ chosen; dotted: budgets)")
+    ax.set_title("resnet20 CIFAR-10: o uniform, ◆ chosen map; dotted lines: budgets", fontsize=10)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
