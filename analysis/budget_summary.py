@@ -53,7 +53,8 @@ def budget_limit(runs: dict[str, dict[int, dict]], budget: str) -> float:
 def summarize(out: Path) -> dict:
     runs = load(out)
     stock = runs.get("stock", {})
-    result: dict = {"budgets": {}, "schedule": schedule(out)}
+    shared = sorted(str(p.parent.relative_to(out / "runs")) for p in (out / "runs").glob("*/seed*/REUSED"))
+    result: dict = {"budgets": {}, "schedule": schedule(out), "shared_runs": shared}
     for budget in BUDGETS:
         limit = budget_limit(runs, budget)
         rows = []
@@ -117,7 +118,13 @@ def schedule(out: Path) -> str:
 def markdown(result: dict) -> str:
     lines = ["# Maps at a memory budget (resnet20, CIFAR-10)", "",
              f"Schedule: {result.get('schedule', 'unknown')}. Every configuration on the same seeds (paired); "
-             "p: two-sided paired t-test.", ""]
+             "p: two-sided paired t-test. Commands: `python analysis/budget_proof.py --out DIR --epochs 2 "
+             "--train-subset 10000` (chosen maps copied into DIR/maps from the menu knapsack: "
+             "`python analysis/menu_maps.py MENU.json --out ... --maps grad_error:0.547 grad_error:0.15 "
+             "grad_error:0.547:kernels`), `python analysis/budget_summary.py DIR`.", ""]
+    if result.get("shared_runs"):
+        lines += ["Runs shared with the criterion check (same map, schedule and seed, trained once): "
+                  + ", ".join(result["shared_runs"]) + ".", ""]
     if "stock" in result:
         s = result["stock"]
         lines += [f"Stock: {s['mean']:.2f} ± {_fmt(s['std'], '.2f')} top-1 over seeds {s['seeds']}.", "",

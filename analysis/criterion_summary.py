@@ -15,6 +15,8 @@ import math
 import sys
 from pathlib import Path
 
+from budget_summary import schedule
+
 from lessmem.layer_sensitivity import MenuResult, read_map_yaml
 
 # criterion -> (label, +1 if larger predicts higher accuracy, log axis)
@@ -110,7 +112,7 @@ def summarize(out: Path) -> dict:
     rho = {c: sign * spearman([r[c] for r in rows], top1) for c, (_, sign, _) in CRITERIA.items()}
     best = max((c for c in rho if c != "ratio"), key=lambda c: rho[c])
     result = {"maps": len(rows), "rows": rows, "spearman": rho, "best": best, "meta": menu.meta,
-              "interval": bootstrap(rows, best)}
+              "interval": bootstrap(rows, best), "schedule": schedule(out)}
     (out / "summary.json").write_text(json.dumps(result, indent=2))
     (out / "summary.md").write_text(markdown(result))
     plot(rows, rho, out / "scatter.png")
@@ -119,8 +121,14 @@ def summarize(out: Path) -> dict:
 
 def markdown(result: dict) -> str:
     rho = result["spearman"]
-    lines = [f"{result['maps']} maps (stock included), resnet20 on CIFAR-10, one seed each, the same short schedule; "
-             "criteria predicted from one storage-menu measurement of the stock model after one epoch.", "",
+    lines = [f"{result['maps']} maps (stock included), resnet20 on CIFAR-10, one seed each, the same short schedule "
+             f"({result.get('schedule', 'unknown')}); criteria predicted from one storage-menu measurement of the "
+             "stock model after its first epoch. Maps: uniform, random per-layer draws over the whole menu in "
+             "saved-bytes bins of 0.05 from 0.05 to 0.65, and knapsack choices (`grad_error_*`, `cosine_*`; "
+             "`*_kernels`: the kernel-only menu). Commands: `python analysis/criterion_check.py --out DIR`, "
+             "`lessmem-sensitivity model=resnet20 sensitivity.menu=true sensitivity.batches=4 "
+             "sensitivity.batch_size=64 sensitivity.checkpoint=DIR/runs/stock/seed0/checkpoint_epoch1.pt "
+             "sensitivity.out=DIR/menu`, `python analysis/criterion_summary.py DIR`.", "",
              "| criterion | Spearman rho with final top-1 (+1 = perfect) | 95% bootstrap interval | minus the best's rho (95%) |",
              "|---|---:|---|---|"]
     ci = result.get("interval", {})
