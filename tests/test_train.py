@@ -77,21 +77,9 @@ def test_same_seed_same_metrics(straight: tuple[Path, dict], tmp_path: Path) -> 
 def test_resume_after_interruption_matches_straight_run(
     straight: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls = {"n": 0}
-    evaluate = train_mod.evaluate
-
-    def crash_in_epoch_2(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt("simulated interruption")
-        return evaluate(*args, **kwargs)
-
-    monkeypatch.setattr(train_mod, "evaluate", crash_in_epoch_2)
-    with pytest.raises(KeyboardInterrupt):
-        run(make_cfg(tmp_path, "grad_cosine_every=2"))
+    _interrupted_in_epoch_2(make_cfg(tmp_path, "grad_cosine_every=2"), monkeypatch)
     assert not (tmp_path / "metrics.json").exists()
     assert (tmp_path / "checkpoint.pt").is_file()
-    monkeypatch.setattr(train_mod, "evaluate", evaluate)
     resumed = run(make_cfg(tmp_path, "grad_cosine_every=2", "resume=true"))
     assert comparable(resumed) == comparable(straight[1])
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
