@@ -184,3 +184,27 @@ def test_cli_menu_writes_measurement_and_a_map_a_run_can_use(tmp_path, run_cli, 
                   "sensitivity.batches=1", "sensitivity.batch_size=4", "sensitivity.criterion=accuracy",
                   f"sensitivity.out={out}")
     assert bad.is_one_error("lessmem-sensitivity", "unknown criterion 'accuracy'")
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_language_model_menu_predicts_bytes_exactly(seed: int) -> None:
+    """Token linears (q / k / v sharing one input, lm_head) and the SiLU inside Llama's recomputed
+    gated MLP (whose storage changes nothing there: measured, not assumed)."""
+    from lessmem.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("tiny_llama", num_classes=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2).train()
+    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    loss = lambda out, t: F.cross_entropy(out.reshape(-1, out.shape[-1]), t.reshape(-1))  # noqa: E731
+    menu = measure_menu(model, [(x, y)], kernels=(1, 2), storages=("native", "int8", "int4"), norm_storages=(),
+                        act_storages=("int8",), loss_fn=loss)
+    kinds = {i.kind for i in menu.items}
+    assert kinds == {"linear", "act"}
+    assert not any(i.name.endswith("o_proj") for i in menu.items)  # kept by attention anyway: nothing to choose
+    rng = random.Random(seed)
+    mapping = {i.name: rng.choice(i.options) for i in menu.items if i.kind == "linear"}
+    act = {i.name: "int8" for i in menu.items if i.kind == "act"}
+    measured = lessmem.measure_memory(lessmem.compress(copy.deepcopy(model), mapping, act_storage=act), x)
+    assert menu.score(mapping, "native", act)["bytes"] == measured.total_bytes
+    assert menu.make_map(0.7, "grad_error").score["ratio"] <= 0.7

@@ -115,7 +115,7 @@ def run_menu(cfg: Any, opts: Mapping[str, Any], model: torch.nn.Module, batches:
 
 
 def _print_menu(result: MenuResult, opts: Mapping[str, Any]) -> None:
-    print(f"items: {len(result.items)} ({sum(i.kind == 'conv' for i in result.items)} conv inputs), "
+    print(f"items: {len(result.items)} ({sum(i.kind in ('conv', 'linear') for i in result.items)} layer inputs), "
           f"batches: {result.meta['batches']}; stock saved bytes {result.stock_bytes:,d}")
     print(f"  {'conv':>8} {'norm':>7}  {'ratio':>6}  {'grad_error':>10}  {'cosine':>7}")
     for conv, norm in _UNIFORM:

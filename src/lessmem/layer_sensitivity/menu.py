@@ -1,8 +1,9 @@
 """What a storage-menu measurement found, and the maps read from it.
 
-One item per place a map can compress: every Conv2d input (options: pooling kernel x storage,
-written ``"2"``, ``"2/int4"``, ``"int4"``), every BatchNorm2d input and every GELU / SiLU input
-(options: a storage). Per item, option and batch three criteria:
+One item per place a map can compress: every Conv2d input and every token-pooling linear's input
+(options: pooling kernel x storage, written ``"2"``, ``"2/int4"``, ``"int4"``; k x k blocks or groups
+of k tokens), every BatchNorm2d input and every GELU / SiLU input (options: a storage, its bytes
+measured with the option applied). Per item, option and batch three criteria:
 
 - ``grad_error``: ||g_hat - g||^2 / ||g||^2 with g the whole parameter gradient. A conv input
   touches only its own weight gradient and leaves the backward exact, so these add up over conv
@@ -36,6 +37,8 @@ CRITERIA = ("grad_error", "loss_change", "cosine")
 # The criterion make_map uses unless told otherwise: the one whose ranking of trained maps matched
 # their accuracy best in the criterion check (docs/results/criterion_check/summary.md).
 DEFAULT_CRITERION = "cosine"
+# Item kinds the compression map addresses (the others take norm_storage / act_storage).
+MAP_KINDS = ("conv", "linear")
 StorageRule = str | Mapping[str, str]
 
 
@@ -49,7 +52,7 @@ def option_name(kernel: int, storage: str) -> str:
 @dataclass
 class MenuItem:
     name: str
-    kind: str  # "conv" | "norm" | "act"
+    kind: str  # "conv" | "linear" (token-pooling linear) | "norm" | "act"
     options: list[str]
     nbytes: list[int]  # per option
     criteria: dict[str, list[list[float]]]  # criterion -> per batch -> per option
@@ -57,7 +60,7 @@ class MenuItem:
 
     @property
     def exact_option(self) -> str:
-        return "1" if self.kind == "conv" else "native"
+        return "1" if self.kind in MAP_KINDS else "native"
 
     def mean(self, criterion: str) -> list[float]:
         return [float(v) for v in np.mean(np.asarray(self.criteria[criterion], dtype=float), axis=0)]
@@ -90,7 +93,8 @@ class MenuResult:
     def options_of(self, mapping: Mapping[str, Any] | None, norm_storage: StorageRule = "native",
                    act_storage: StorageRule = "native") -> dict[str, str]:
         """Item name -> the option a map (as ``lessmem.compress`` reads it) gives it."""
-        rules = {"conv": _conv_rule(mapping or {}), "norm": _storage_rule(norm_storage),
+        conv_rule = _conv_rule(mapping or {})
+        rules = {"conv": conv_rule, "linear": conv_rule, "norm": _storage_rule(norm_storage),
                  "act": _storage_rule(act_storage)}
         chosen = {}
         for item in self.items:
@@ -151,7 +155,7 @@ class MenuResult:
         for members, options, j in zip(units, unit_options, choice, strict=True):
             for m in members:
                 chosen[m.name] = options[j]
-        conv = {i.name: chosen[i.name] for i in self.items if i.kind == "conv"}
+        conv = {i.name: chosen[i.name] for i in self.items if i.kind in MAP_KINDS}
         norm = {i.name: chosen[i.name] for i in self.items if i.kind == "norm" and chosen[i.name] != "native"}
         act = {i.name: chosen[i.name] for i in self.items if i.kind == "act" and chosen[i.name] != "native"}
         return MapChoice(conv, norm or "native", act or "native", self._score(chosen))

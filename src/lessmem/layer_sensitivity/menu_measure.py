@@ -12,6 +12,7 @@ RNG are left as they were.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -21,17 +22,24 @@ from lessmem.core import (
     STORAGES,
     compress,
     expand_blocks,
+    expand_tokens,
+    kept_by_graph,
     load_rounding_state,
     measure_memory,
     pack_tensor,
     pool_blocks,
+    pool_tokens,
     rounding_state,
     storable_layers,
     stored_bytes,
     tensor_meta,
     unpack_tensor,
 )
-from lessmem.layer_sensitivity.geometry import ConvLayer, conv_layers
+from lessmem.layer_sensitivity.geometry import (
+    SensitivityLayer,
+    TokenLinearLayer,
+    sensitivity_layers,
+)
 from lessmem.layer_sensitivity.measure import (
     DEFAULT_KERNELS,
     Batch,
@@ -40,7 +48,7 @@ from lessmem.layer_sensitivity.measure import (
     _split,
 )
 from lessmem.layer_sensitivity.menu import MenuItem, MenuResult, option_name
-from lessmem.layer_sensitivity.recorder import _weight_grad
+from lessmem.layer_sensitivity.recorder import _linear_weight_grad, _weight_grad
 
 # 1-bit BatchNorm / activation inputs diverge in training: left out of the default menu.
 LOSSY_STORAGES = ("bf16", "int8", "int4", "int2")
@@ -68,7 +76,7 @@ def measure_menu(
             raise ValueError(f"unknown storage {s!r}; choose from {', '.join(STORAGES)}")
     loss_fn = loss_fn or _default_loss
     net = compress(copy.deepcopy(model), None)  # exact companions: the bytes a map starts from
-    layers = conv_layers(net)
+    layers = sensitivity_layers(net)
     reach = storable_layers(net)
     probes = [("norm", n, s) for n in reach["norm_storage"] for s in norm_storages if s != "native"]
     probes += [("act", n, s) for n in reach["act_storage"] for s in act_storages if s != "native"]
@@ -79,6 +87,7 @@ def measure_menu(
     device = params[0].device
     state, first = rounding_state(), None
     probe_stats: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    probe_delta: dict[tuple[str, str], int] = {}  # saved bytes an option adds to the exact model
     n_batches = 0
     try:
         for batch_no, batch in enumerate(_progress(batches, progress)):
@@ -87,9 +96,13 @@ def measure_menu(
             first = first if first is not None else x
             exact = _flat_grad(net, params, x, y, loss_fn, batch_no, hooks=(recorder, lossy_inputs))
             recorder.finish_batch(float(exact.square().sum()))
+            if batch_no == 0 and probes:
+                exact_total = measure_memory(net, x).total_bytes
             for kind, name, storage in probes:
                 option = "norm_storage" if kind == "norm" else "act_storage"
                 compress(net, None, **{option: {name: storage}})
+                if batch_no == 0:  # measured, not assumed: a companion may keep the input anyway
+                    probe_delta[(name, storage)] = measure_memory(net, x).total_bytes - exact_total
                 approx = _flat_grad(net, params, x, y, loss_fn, batch_no)
                 probe_stats.setdefault((name, storage), []).append(_whole_gradient_criteria(exact, approx))
             compress(net, None)
@@ -110,10 +123,12 @@ def measure_menu(
                 for i, c in enumerate(("grad_error", "loss_change", "cosine"))}
         for b in range(n_batches):
             rows["cosine"][b][0] = 1.0
-        items.append(MenuItem(name, kind, options, [stored_bytes(numel, o, elem) for o in options], rows))
+        native = numel * elem
+        nbytes = [native if o == "native" else native + probe_delta[(name, o)] for o in options]
+        items.append(MenuItem(name, kind, options, nbytes, rows))
     # What the map controls comes off the exact-companion total: each item's exact option once.
-    base -= sum(i.nbytes[i.index(i.exact_option)] for i in items if i.kind != "conv")
-    base -= sum({i.group: i.nbytes[i.index("1")] for i in items if i.kind == "conv"}.values())
+    base -= sum(i.nbytes[i.index(i.exact_option)] for i in items if i.group is None)
+    base -= sum({i.group: i.nbytes[i.index("1")] for i in items if i.group is not None}.values())
     meta = {"batches": n_batches, "batch_size": int(first.shape[0]), "kernels": kernels,
             "storages": list(storages), "norm_storages": list(norm_storages), "act_storages": list(act_storages)}
     return MenuResult(items, stock, base, meta)
@@ -164,11 +179,12 @@ class _InputSizes:
 
 
 class _MenuRecorder:
-    """Conv hooks: each conv's exact weight gradient and, per menu option, the one taken from its
-    input pooled and stored that way; per batch, squared error and inner products (normalised by
-    the whole gradient's squared norm once the backward is done)."""
+    """Conv and token-linear hooks: each layer's exact weight gradient and, per menu option, the one
+    taken from its input pooled (k x k blocks, or groups of k tokens) and stored that way; per batch,
+    squared error and inner products (normalised by the whole gradient's squared norm once the
+    backward is done)."""
 
-    def __init__(self, layers: list[ConvLayer], options: list[tuple[int, str]]) -> None:
+    def __init__(self, layers: list[SensitivityLayer], options: list[tuple[int, str]]) -> None:
         self.layers, self.options = layers, options
         self.raw: dict[str, list[tuple[float, float, float]]] = {}  # per option of the current batch
         self.stats: dict[str, dict[str, list[list[float]]]] = {}
@@ -179,34 +195,43 @@ class _MenuRecorder:
     def attach(self) -> list:
         return [layer.module.register_forward_hook(self._forward_hook(layer)) for layer in self.layers]
 
-    def _forward_hook(self, layer: ConvLayer):
+    def _forward_hook(self, layer: SensitivityLayer):
+        tokens = isinstance(layer, TokenLinearLayer)
+
         def hook(module: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> None:
             x = args[0]
             if not torch.is_grad_enabled() or not out.requires_grad:
                 return
-            if x.grad_fn is None and not x.requires_grad and layer.pre_pad is None:
+            if tokens and (x.dim() < 3 or kept_by_graph(x)):
+                return  # the core runs the stock linear there whatever the map says: nothing to choose
+            pre_pad = None if tokens else layer.pre_pad
+            if x.grad_fn is None and not x.requires_grad and pre_pad is None:
                 self.caller_held.add(layer.name)
-            # One tensor read by several convs is stored once per option (a pre-padded input is a
+            # One tensor read by several layers is stored once per option (a pre-padded input is a
             # fresh tensor per conv, so it never shares).
-            owner = layer.name if layer.pre_pad is not None else ""
+            owner = layer.name if pre_pad is not None else ""
             self.groups[layer.name] = (x.untyped_storage().data_ptr(), tuple(x.shape), owner)
             saved = x.detach()
             out.register_hook(lambda g: self._backward(layer, saved, g))
         return hook
 
-    def _backward(self, layer: ConvLayer, x: Tensor, grad_out: Tensor) -> None:
-        if layer.pre_pad is not None:
+    def _backward(self, layer: SensitivityLayer, x: Tensor, grad_out: Tensor) -> None:
+        tokens = isinstance(layer, TokenLinearLayer)
+        if not tokens and layer.pre_pad is not None:
             x = layer.pre_pad(x)
         self.shapes[layer.name] = (tuple(x.shape), x.element_size())
-        exact = _weight_grad(layer, grad_out, x).double()
+        exact = (_linear_weight_grad(grad_out, x) if tokens else _weight_grad(layer, grad_out, x)).double()
         rows = []
         for k, storage in self.options:
             if k == 1 and storage == "native":
                 rows.append((0.0, 0.0, 1.0))
                 continue
-            pooled = pool_blocks(x, (k, k))
+            pooled = pool_tokens(x, k) if tokens else pool_blocks(x, (k, k))
             stored = unpack_tensor(pack_tensor(pooled, storage), storage, tensor_meta(pooled))
-            approx = _weight_grad(layer, grad_out, expand_blocks(stored, (k, k), x.shape[-2:])).double()
+            if tokens:
+                approx = _linear_weight_grad(grad_out, expand_tokens(stored, k, x.shape[-2])).double()
+            else:
+                approx = _weight_grad(layer, grad_out, expand_blocks(stored, (k, k), x.shape[-2:])).double()
             diff = exact - approx
             norm = float(exact.norm()) * float(approx.norm())
             rows.append((float(diff.square().sum()), float((exact * diff).sum()),
@@ -230,14 +255,18 @@ class _MenuRecorder:
             if name not in self.stats or len(self.stats[name]["grad_error"]) != n_batches:
                 continue  # never reached the loss
             shape, elem = self.shapes[name]
+            tokens = isinstance(layer, TokenLinearLayer)
             nbytes = []
             for k, storage in self.options:
-                n, c, h, w = shape
                 if k == 1 and storage == "native":
-                    nbytes.append(0 if name in self.caller_held else n * c * h * w * elem)
+                    nbytes.append(0 if name in self.caller_held else math.prod(shape) * elem)
+                elif tokens:  # (..., tokens, features) pooled over groups of k tokens
+                    numel = math.prod(shape[:-2]) * -(-shape[-2] // k) * shape[-1]
+                    nbytes.append(stored_bytes(numel, storage, elem))
                 else:
+                    n, c, h, w = shape
                     nbytes.append(stored_bytes(n * c * -(-h // k) * -(-w // k), storage, elem))
             group = group_ids.setdefault(self.groups[name], len(group_ids))
-            out.append(MenuItem(name, "conv", [option_name(k, s) for k, s in self.options], nbytes,
-                                self.stats[name], group))
+            out.append(MenuItem(name, "linear" if tokens else "conv", [option_name(k, s) for k, s in self.options],
+                                nbytes, self.stats[name], group))
         return out
