@@ -21,19 +21,12 @@ from torch import Tensor, nn
 from lessmem.core import (
     STORAGES,
     compress,
-    expand_blocks,
-    expand_tokens,
     kept_by_graph,
     load_rounding_state,
     measure_memory,
-    pack_tensor,
-    pool_blocks,
-    pool_tokens,
     rounding_state,
     storable_layers,
     stored_bytes,
-    tensor_meta,
-    unpack_tensor,
 )
 from lessmem.layer_sensitivity.geometry import (
     SensitivityLayer,
@@ -48,7 +41,12 @@ from lessmem.layer_sensitivity.measure import (
     _split,
 )
 from lessmem.layer_sensitivity.menu import MenuItem, MenuResult, option_name
-from lessmem.layer_sensitivity.recorder import _linear_weight_grad, _weight_grad
+from lessmem.layer_sensitivity.recorder import (
+    _linear_weight_grad,
+    _weight_grad,
+    pooled_numel,
+    pooled_weight_grad,
+)
 
 # 1-bit BatchNorm / activation inputs diverge in training: left out of the default menu.
 LOSSY_STORAGES = ("bf16", "int8", "int4", "int2")
@@ -96,7 +94,7 @@ def measure_menu(
             first = first if first is not None else x
             exact = _flat_grad(net, params, x, y, loss_fn, batch_no, hooks=(recorder, lossy_inputs))
             recorder.finish_batch(float(exact.square().sum()))
-            if batch_no == 0 and probes:
+            if batch_no == 0:  # the exact-companion model's bytes: what every option is measured against
                 exact_total = measure_memory(net, x).total_bytes
             for kind, name, storage in probes:
                 option = "norm_storage" if kind == "norm" else "act_storage"
@@ -104,7 +102,10 @@ def measure_menu(
                 if batch_no == 0:  # measured, not assumed: a companion may keep the input anyway
                     probe_delta[(name, storage)] = measure_memory(net, x).total_bytes - exact_total
                 approx = _flat_grad(net, params, x, y, loss_fn, batch_no)
-                probe_stats.setdefault((name, storage), []).append(_whole_gradient_criteria(exact, approx))
+                sq_err, dot, cos = _error_terms(exact, approx)
+                norm2 = float(exact.square().sum())
+                probe_stats.setdefault((name, storage), []).append(
+                    (sq_err / norm2, dot / norm2, cos) if norm2 > 0 else (0.0, 0.0, 1.0))
             compress(net, None)
             n_batches += 1
     finally:
@@ -112,7 +113,7 @@ def measure_menu(
     if n_batches == 0:
         raise ValueError("measure_menu got no batches")
     stock = measure_memory(copy.deepcopy(model), first).total_bytes
-    base = measure_memory(net, first).total_bytes
+    base = exact_total
     items = recorder.items(n_batches)
     for kind, name in [("norm", n) for n in reach["norm_storage"]] + [("act", n) for n in reach["act_storage"]]:
         wanted = norm_storages if kind == "norm" else act_storages
@@ -153,14 +154,15 @@ def _flat_grad(net: nn.Module, params: list[nn.Parameter], x: Tensor, y: Tensor 
                       for p, g in zip(params, grads, strict=True)])
 
 
-def _whole_gradient_criteria(exact: Tensor, approx: Tensor) -> tuple[float, float, float]:
-    """(||a - e||^2 / ||e||^2, <e, e - a> / ||e||^2, cos(e, a))."""
-    norm2 = float(exact.square().sum())
-    if norm2 == 0:
-        return 0.0, 0.0, 1.0
-    diff = exact - approx
-    cos = float(exact @ approx) / max(norm2**0.5 * float(approx.norm()), 1e-300)
-    return float(diff.square().sum()) / norm2, float(exact @ diff) / norm2, cos
+def _error_terms(exact: Tensor, approx: Tensor) -> tuple[float, float, float]:
+    """(||a - e||^2, <e, e - a>, cos(e, a)) of two gradients in float64; the first two are divided
+    by the whole gradient's squared norm to become the menu's criteria. Cosine as the kernel
+    sensitivity counts it: two zero gradients agree (1), one zero gradient does not (0)."""
+    e, a = exact.double().flatten(), approx.double().flatten()
+    diff = e - a
+    norm = float(e.norm()) * float(a.norm())
+    cos = float(e @ a) / norm if norm > 0 else float(not e.any() and not a.any())
+    return float(diff @ diff), float(e @ diff), cos
 
 
 class _InputSizes:
@@ -220,23 +222,12 @@ class _MenuRecorder:
         if not tokens and layer.pre_pad is not None:
             x = layer.pre_pad(x)
         self.shapes[layer.name] = (tuple(x.shape), x.element_size())
-        exact = (_linear_weight_grad(grad_out, x) if tokens else _weight_grad(layer, grad_out, x)).double()
-        rows = []
-        for k, storage in self.options:
-            if k == 1 and storage == "native":
-                rows.append((0.0, 0.0, 1.0))
-                continue
-            pooled = pool_tokens(x, k) if tokens else pool_blocks(x, (k, k))
-            stored = unpack_tensor(pack_tensor(pooled, storage), storage, tensor_meta(pooled))
-            if tokens:
-                approx = _linear_weight_grad(grad_out, expand_tokens(stored, k, x.shape[-2])).double()
-            else:
-                approx = _weight_grad(layer, grad_out, expand_blocks(stored, (k, k), x.shape[-2:])).double()
-            diff = exact - approx
-            norm = float(exact.norm()) * float(approx.norm())
-            rows.append((float(diff.square().sum()), float((exact * diff).sum()),
-                         float((exact * approx).sum()) / norm if norm > 0 else 1.0))
-        self.raw[layer.name] = rows
+        exact = _linear_weight_grad(grad_out, x) if tokens else _weight_grad(layer, grad_out, x)
+        self.raw[layer.name] = [
+            (0.0, 0.0, 1.0) if k == 1 and storage == "native"
+            else _error_terms(exact, pooled_weight_grad(layer, grad_out, x, k, storage))
+            for k, storage in self.options
+        ]
 
     def finish_batch(self, grad_norm2: float) -> None:
         scale = 1.0 / grad_norm2 if grad_norm2 > 0 else 0.0
@@ -256,16 +247,9 @@ class _MenuRecorder:
                 continue  # never reached the loss
             shape, elem = self.shapes[name]
             tokens = isinstance(layer, TokenLinearLayer)
-            nbytes = []
-            for k, storage in self.options:
-                if k == 1 and storage == "native":
-                    nbytes.append(0 if name in self.caller_held else math.prod(shape) * elem)
-                elif tokens:  # (..., tokens, features) pooled over groups of k tokens
-                    numel = math.prod(shape[:-2]) * -(-shape[-2] // k) * shape[-1]
-                    nbytes.append(stored_bytes(numel, storage, elem))
-                else:
-                    n, c, h, w = shape
-                    nbytes.append(stored_bytes(n * c * -(-h // k) * -(-w // k), storage, elem))
+            nbytes = [(0 if name in self.caller_held else math.prod(shape) * elem) if k == 1 and storage == "native"
+                      else stored_bytes(pooled_numel(shape, k, tokens), storage, elem)
+                      for k, storage in self.options]
             group = group_ids.setdefault(self.groups[name], len(group_ids))
             out.append(MenuItem(name, "linear" if tokens else "conv", [option_name(k, s) for k, s in self.options],
                                 nbytes, self.stats[name], group))

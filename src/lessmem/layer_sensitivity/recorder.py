@@ -20,7 +20,16 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from lessmem.core import expand_blocks, expand_tokens, kept_by_graph, pool_blocks, pool_tokens
+from lessmem.core import (
+    expand_blocks,
+    expand_tokens,
+    kept_by_graph,
+    pack_tensor,
+    pool_blocks,
+    pool_tokens,
+    tensor_meta,
+    unpack_tensor,
+)
 from lessmem.layer_sensitivity.geometry import ConvLayer, SensitivityLayer, TokenLinearLayer
 
 
@@ -35,6 +44,28 @@ def _weight_grad(layer: ConvLayer, grad_out: Tensor, x: Tensor) -> Tensor:
 def _linear_weight_grad(grad_out: Tensor, x: Tensor) -> Tensor:
     """(out, in) weight gradient of a linear from its (..., tokens, features) input and output gradient."""
     return grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+
+
+def pooled_weight_grad(layer: SensitivityLayer, grad_out: Tensor, x: Tensor, k: int,
+                       storage: str = "native") -> Tensor:
+    """The layer's weight gradient taken from its input ``x`` as the core keeps it: pooled by ``k``
+    (k x k blocks, or groups of k tokens) in ``storage``, then expanded back."""
+    tokens = isinstance(layer, TokenLinearLayer)
+    pooled = pool_tokens(x, k) if tokens else pool_blocks(x, (k, k))
+    if storage != "native":
+        pooled = unpack_tensor(pack_tensor(pooled, storage), storage, tensor_meta(pooled))
+    if tokens:
+        return _linear_weight_grad(grad_out, expand_tokens(pooled, k, x.shape[-2]))
+    return _weight_grad(layer, grad_out, expand_blocks(pooled, (k, k), x.shape[-2:]))
+
+
+def pooled_numel(shape: Sequence[int], k: int, tokens: bool) -> int:
+    """Elements of an input of ``shape`` pooled by ``k``: over tokens (dim -2) of a
+    (..., tokens, features) input, or k x k blocks of an (n, c, h, w) one."""
+    if tokens:
+        return math.prod(shape[:-2]) * math.ceil(shape[-2] / k) * shape[-1]
+    n, c, h, w = shape
+    return n * c * math.ceil(h / k) * math.ceil(w / k)
 
 
 def _fidelity(exact: Tensor, approx: Tensor) -> tuple[float, float]:
@@ -102,13 +133,12 @@ class GradientRecorder:
                                "sensitivity needs it unchanged (use non-inplace ops before it)")
         if isinstance(layer, TokenLinearLayer):
             exact = _linear_weight_grad(grad_out, x)
-            self._record(layer.name, exact, lambda k: exact if layer.name in self.graph_kept else _linear_weight_grad(
-                grad_out, expand_tokens(pool_tokens(x, k), k, x.shape[-2])))
+            self._record(layer.name, exact, lambda k: exact if layer.name in self.graph_kept else pooled_weight_grad(
+                layer, grad_out, x, k))
             return
         if layer.pre_pad is not None:
             x = layer.pre_pad(x)
-        self._record(layer.name, _weight_grad(layer, grad_out, x), lambda k: _weight_grad(
-            layer, grad_out, expand_blocks(pool_blocks(x, (k, k)), (k, k), x.shape[-2:])))
+        self._record(layer.name, _weight_grad(layer, grad_out, x), lambda k: pooled_weight_grad(layer, grad_out, x, k))
 
     def _record(self, name: str, exact: Tensor, pooled_grad: Callable[[int], Tensor]) -> None:
         for k in self.kernels:
@@ -119,8 +149,5 @@ class GradientRecorder:
         """Bytes the layer keeps for its weight gradient with kernel k (k=1: the stock input)."""
         if (k == 1 and name in self.caller_held) or name in self.graph_kept:
             return 0
-        if len(self.shapes[name]) == 3:  # (inputs, tokens, features)
-            n, t, c = self.shapes[name]
-            return n * math.ceil(t / k) * c * self.elem[name]
-        n, c, h, w = self.shapes[name]
-        return n * c * math.ceil(h / k) * math.ceil(w / k) * self.elem[name]
+        shape = self.shapes[name]  # (inputs, tokens, features) or (n, c, h, w)
+        return pooled_numel(shape, k, tokens=len(shape) == 3) * self.elem[name]
