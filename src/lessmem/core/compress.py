@@ -81,10 +81,8 @@ def compress(
             companion = exact_companion_of(module)
             if companion is not None:
                 _swap(module, companion)
-    for option, rule, stored_class_of, kind in (
-        ("norm_storage", norm_storage, _stored_norm_of, "BatchNorm2d"),
-        ("act_storage", act_storage, stored_activation_of, "GELU/SiLU"),
-    ):
+    for option, rule in (("norm_storage", norm_storage), ("act_storage", act_storage)):
+        stored_class_of, kind = _STORED_LAYERS[option]
         for name, storage in _storage_choices(model, rule, stored_class_of, option, kind).items():
             module = model.get_submodule(name)
             _swap(module, stored_class_of(module))
@@ -98,6 +96,13 @@ def _stored_norm_of(module: nn.Module) -> type[nn.Module] | None:
     return STORED_NORMS.get(type(module))
 
 
+# Each lossy storage option: the class it swaps a module to (None: out of its reach), and what it reaches.
+_STORED_LAYERS: dict[str, tuple[Callable[[nn.Module], type[nn.Module] | None], str]] = {
+    "norm_storage": (_stored_norm_of, "BatchNorm2d"),
+    "act_storage": (stored_activation_of, "GELU/SiLU"),
+}
+
+
 def _storage_choices(
     model: nn.Module,
     storage_rule: str | Mapping[str, str],
@@ -107,7 +112,7 @@ def _storage_choices(
 ) -> dict[str, str]:
     """Name -> lossy storage of each layer with a ``stored_class_of`` that ``storage_rule`` (one
     storage, or ``{pattern: storage}``, first match wins) sends away from ``native``."""
-    norms = [n for n, m in model.named_modules() if stored_class_of(m) is not None]
+    norms = _reachable(model, stored_class_of)
     rules = {"*": storage_rule} if isinstance(storage_rule, str) else dict(storage_rule)
     chosen: dict[str, str] = {}
     for storage in rules.values():
@@ -125,10 +130,11 @@ def _storage_choices(
 def storable_layers(model: nn.Module) -> dict[str, list[str]]:
     """Names of the layers each lossy storage option can reach: ``{"norm_storage": [BatchNorm2d
     names], "act_storage": [GELU / SiLU names]}``, in module order."""
-    return {
-        "norm_storage": [n for n, m in model.named_modules() if _stored_norm_of(m) is not None],
-        "act_storage": [n for n, m in model.named_modules() if stored_activation_of(m) is not None],
-    }
+    return {option: _reachable(model, stored_class_of) for option, (stored_class_of, _) in _STORED_LAYERS.items()}
+
+
+def _reachable(model: nn.Module, stored_class_of: Callable[[nn.Module], type[nn.Module] | None]) -> list[str]:
+    return [n for n, m in model.named_modules() if stored_class_of(m) is not None]
 
 
 def _saved_storage_choices(model: nn.Module, storage_rule: str | Mapping[str, str]) -> dict[str, tuple[str, bool]]:
