@@ -13,6 +13,7 @@ from PIL import Image
 from lessmem.experiment import compose_config, default_data_root
 from lessmem.experiment.data import DatasetLoader, TensorLoader, build_datasets, fixed_batches
 from lessmem.experiment.data import cache as decode_cache
+from lessmem.experiment.data.datasets import dataset_splits
 
 
 def image_folder(root: Path, per_class: dict[str, int]) -> None:
@@ -79,3 +80,24 @@ def test_default_data_root(monkeypatch: pytest.MonkeyPatch) -> None:
     assert compose_config(["dataset=imagenet"]).dataset.root == "/data/here/imagenet"
     monkeypatch.delenv("LESSMEM_DATA")
     assert compose_config([]).dataset.root == "../shared/data/cifar10"
+
+
+def test_train_holdout_validation_is_disjoint_and_balanced(tmp_path: Path, decoded: list[str]) -> None:
+    """``val_source=train_holdout``: validation images come from the train folder, never from the
+    training subset nor the test folder, balanced over classes."""
+    image_folder(tmp_path / "data", {"cat": 20, "dog": 20})
+    over = [f"dataset.root={tmp_path / 'data'}", "dataset.train_subset=16", "dataset.val_subset=10",
+            "dataset.val_source=train_holdout"]
+    train, val = dataset_splits(compose_config(over).dataset)
+    assert val.root == train.root and val.root.name == "train"
+    assert len(train.subset) == 16 and len(val.subset) == 10
+    assert not set(train.subset) & set(val.subset)
+    assert sorted(val.sample_labels().tolist()) == [0] * 5 + [1] * 5
+    _, everything = dataset_splits(compose_config(over[:-2] + ["dataset.val_source=train_holdout"]).dataset)
+    assert sorted(everything.subset + train.subset) == list(range(40))
+    _, val_images = build_datasets(compose_config(over).dataset)
+    assert len(val_images) == 10 and not any("/test/" in p for p in decoded)
+    with pytest.raises(ValueError, match="needs dataset.train_subset"):
+        dataset_splits(compose_config(over[:1] + over[-1:]).dataset)
+    with pytest.raises(ValueError, match="val_source must be one of"):
+        dataset_splits(compose_config([*over[:1], "dataset.val_source=valid"]).dataset)

@@ -130,6 +130,20 @@ def test_knapsack_is_optimal_against_brute_force() -> None:
         choice = menu.make_map(budget, "grad_error")
         assert choice.score["grad_error"] == pytest.approx(best[0])
         assert choice.score["bytes"] <= budget * 6000
+        # Weighted (how the menu search steers it): least weighted sum, unweighted score reported.
+        weights = {it.name: rng.uniform(0.2, 5.0) for it in items}
+        best_w = min((sum(weights[it.name] * it.mean("grad_error")[j] for it, j in zip(items, combo, strict=True)),
+                      combo)
+                     for combo in itertools.product(*(range(len(it.options)) for it in items))
+                     if 500 + sum(it.nbytes[j] for it, j in zip(items, combo, strict=True)) <= budget * 6000)
+        weighted = menu.make_map(budget, "grad_error", weights=weights)
+        chosen = [it.index(weighted.norm_storage.get(it.name, "native") if isinstance(weighted.norm_storage, dict)
+                           else weighted.norm_storage) for it in items]
+        assert sum(weights[it.name] * it.mean("grad_error")[j] for it, j in zip(items, chosen, strict=True)) \
+            == pytest.approx(best_w[0])
+        assert weighted.score["grad_error"] == pytest.approx(
+            sum(it.mean("grad_error")[j] for it, j in zip(items, chosen, strict=True)))
+    assert menu.unit_items() == {it.name: [it.name] for it in items}
 
 
 def test_bad_requests_say_what_is_wrong(menu: MenuResult) -> None:

@@ -109,3 +109,74 @@ def test_pruner_choices() -> None:
         load_sweep(None, ["pruner.name=asha"])
     with pytest.raises(ValueError, match="multi-objective"):
         load_sweep(None, ["pruner.name=median", "objective=accuracy", "mode=pareto"])
+
+
+def _menu_sweep(tmp_path, **over):
+    """A menu search of resnet20 on synthetic data; the menu measured on the run's memory batch."""
+    import torch
+
+    from lessmem.experiment import build_model_from_cfg, compose_config
+    from lessmem.experiment.data import fixed_batches
+    from lessmem.layer_sensitivity import measure_menu
+
+    base = [*BASE, "epochs=1", "batch_size=32", "eval_batch_size=32", "memory_batch=4"]
+    cfg = compose_config(base)
+    torch.manual_seed(0)
+    menu = measure_menu(build_model_from_cfg(cfg).train(), fixed_batches(cfg, 1, 4), kernels=(1, 2, 4),
+                        storages=("native", "int8", "int4"), norm_storages=("int8", "int4"), act_storages=())
+    menu_path = tmp_path / "menu"
+    menu.save(menu_path, heatmap=False)
+    s = sweep(tmp_path, space="menu", menu=str(menu_path / "menu.json"), objective="accuracy", mode="budget",
+              criterion="grad_error", base_overrides=None, **over)
+    s.base_overrides = base
+    return s, menu
+
+
+def test_menu_search_trains_knapsack_variations_within_budget(tmp_path, monkeypatch) -> None:
+    """space=menu: trial 0 is the criterion's own map, every trial's map fits the budget (its bytes
+    predicted exactly: equal to the run's measured saved bytes), a map met again is not retrained,
+    and the best map is a file a run can use."""
+    from lessmem.search.menu_objective import MenuObjective, weight_param
+
+    s, menu = _menu_sweep(tmp_path, n_trials=3, budget=0.4)
+    # A second seed scaling every unit alike: the same knapsack answer, so trained once only.
+    seeds = MenuObjective.seeds
+    monkeypatch.setattr(MenuObjective, "seeds", lambda self: {
+        **seeds(self), "scaled": {weight_param(u): 0.5 for u in self.units}})
+    summary = run_search(s)
+    assert summary["complete_trials"] == 3 and summary["knapsack"]["trial"] == 0
+    study = open_study(s, tmp_path / "s" / "study.journal")
+    trials = sorted(study.trials, key=lambda t: t.number)
+    chosen = menu.make_map(0.4, "grad_error")
+    knapsack = yaml.safe_load((tmp_path / "s" / "trials" / "0000" / "compression.yaml").read_text())
+    assert {k: str(v) for k, v in knapsack["map"].items()} == chosen.map
+    assert trials[1].user_attrs["same_as"] == 0 and trials[1].value == trials[0].value
+    assert not (tmp_path / "s" / "trials" / "0001" / "train").exists()
+    for t in trials:
+        assert t.user_attrs["ratio"] <= 0.4
+    for t in (trials[0], trials[2]):
+        measured = t.user_attrs["measured_saved_bytes"] / t.user_attrs["stock_saved_bytes"]
+        assert measured == pytest.approx(t.user_attrs["ratio"])
+    out = tmp_path / "s"
+    for name in ("trials.csv", "report.md", "summary.json", "best_map.yaml"):
+        assert (out / name).is_file(), name
+    with Image.open(out / "search.png") as im:
+        im.verify()
+    from lessmem.experiment import compose_config
+    from lessmem.experiment.compression import resolve_compression
+
+    best = resolve_compression(compose_config([*BASE, f"compression.map_file={out / 'best_map.yaml'}"]).compression)
+    assert best.exact_companions and best.map
+
+
+def test_menu_search_config_errors(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="space=menu needs menu="):
+        load_sweep(None, ["space=menu", "objective=accuracy", "mode=budget"])
+    menu = tmp_path / "menu.json"
+    menu.write_text("{}")
+    with pytest.raises(ValueError, match="objective=accuracy and mode=budget"):
+        load_sweep(None, ["space=menu", f"menu={menu}"])
+    with pytest.raises(ValueError, match="criterion must be one of"):
+        load_sweep(None, ["space=menu", f"menu={menu}", "objective=accuracy", "mode=budget", "criterion=top1"])
+    with pytest.raises(ValueError, match="space must be"):
+        load_sweep(None, ["space=stages"])

@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lessmem-search: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps({k: v for k, v in summary.items() if k != "pareto"}, indent=1))
-    print(f"report: {Path(sweep.out_dir) / 'pareto.md'}")
+    print(f"report: {summary.get('report') or Path(sweep.out_dir) / 'pareto.md'}")
     return 0
 
 

@@ -129,10 +129,13 @@ class MenuResult:
 
     # ---- choosing -------------------------------------------------------------------------------
 
-    def make_map(self, budget: float, criterion: str = DEFAULT_CRITERION) -> MapChoice:
+    def make_map(self, budget: float, criterion: str = DEFAULT_CRITERION,
+                 weights: Mapping[str, float] | None = None) -> MapChoice:
         """The map of least summed ``criterion`` whose total saved bytes fit ``budget`` (a fraction
         of stock's saved bytes when <= 1, else bytes): a multiple-choice knapsack over the whole
-        menu, the layers reading one tensor choosing together."""
+        menu, the layers reading one tensor choosing together. ``weights``: item name -> factor on
+        its criterion values (default 1), how a search tells the knapsack which layers to trust
+        more or less than the criterion does; the score returned is the unweighted one."""
         if criterion not in CRITERIA:
             raise ValueError(f"unknown criterion {criterion!r}; choose one of {', '.join(CRITERIA)}")
         if budget <= 0:
@@ -143,7 +146,8 @@ class MenuResult:
         for members in units:
             options = [o for o in members[0].options if all(o in m.options for m in members)]
             unit_options.append(options)
-            per_option = [sum(_additive(m, criterion)[m.index(o)] for m in members) for o in options]
+            per_option = [sum(_additive(m, criterion)[m.index(o)] * (weights or {}).get(m.name, 1.0) for m in members)
+                          for o in options]
             values.append(per_option)
             costs.append([members[0].nbytes[members[0].index(o)] for o in options])
         choice = least_value_choice(values, costs, limit - self.base_bytes)
@@ -163,6 +167,10 @@ class MenuResult:
     def uniform(self, conv: str, norm: str = "native", act: str = "native") -> dict[str, float]:
         """The score of one option everywhere (``conv`` as written in a map, e.g. "2/int4")."""
         return self.score({"*": conv}, norm, act)
+
+    def unit_items(self) -> dict[str, list[str]]:
+        """Units that choose one option together, named by their first item -> their items."""
+        return {members[0].name: [m.name for m in members] for members in self._units()}
 
     def _units(self) -> list[list[MenuItem]]:
         """Items that choose together: one conv group, or a single norm / activation item."""

@@ -97,18 +97,24 @@ class Objective:
     def _train(self, cfg: DictConfig, trial: optuna.Trial, trial_dir: Path) -> float:
         with open_dict(cfg):
             cfg.out_dir = str(trial_dir / "train")
-        best = [float("-inf")]
+        return train_trial(cfg, trial, str(self.sweep.score_key))
 
-        def report(epoch: int, record: dict[str, Any]) -> None:
-            # Intermediate value: the score so far (best_* keys: best epoch so far).
-            value = float(record["val_top1"] if "top1" in self.sweep.score_key else record["val_top5"])
-            best[0] = max(best[0], value)
-            trial.report(best[0] if self.sweep.score_key.startswith("best") else value, epoch)
-            if trial.should_prune():
-                trial.set_user_attr("pruned_at_epoch", epoch)
-                raise optuna.TrialPruned(f"pruned after epoch {epoch} (val_top1 {value:.4f})")
 
-        metrics = run(cfg, on_epoch_end=report)
-        trial.set_user_attr("measured_saved_bytes", metrics.get("saved_bytes"))
-        trial.set_user_attr("stock_saved_bytes", metrics.get("stock_saved_bytes"))
-        return float(metrics[self.sweep.score_key])
+def train_trial(cfg: DictConfig, trial: optuna.Trial, score_key: str) -> float:
+    """Train ``cfg`` reporting per-epoch val top-1 to ``trial`` (pruned when the pruner says so);
+    returns ``metrics[score_key]``."""
+    best = [float("-inf")]
+
+    def report(epoch: int, record: dict[str, Any]) -> None:
+        # Intermediate value: the score so far (best_* keys: best epoch so far).
+        value = float(record["val_top1"] if "top1" in score_key else record["val_top5"])
+        best[0] = max(best[0], value)
+        trial.report(best[0] if score_key.startswith("best") else value, epoch)
+        if trial.should_prune():
+            trial.set_user_attr("pruned_at_epoch", epoch)
+            raise optuna.TrialPruned(f"pruned after epoch {epoch} (val_top1 {value:.4f})")
+
+    metrics = run(cfg, on_epoch_end=report)
+    trial.set_user_attr("measured_saved_bytes", metrics.get("saved_bytes"))
+    trial.set_user_attr("stock_saved_bytes", metrics.get("stock_saved_bytes"))
+    return float(metrics[score_key])

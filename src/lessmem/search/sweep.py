@@ -8,9 +8,17 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from lessmem.layer_sensitivity import CRITERIA, DEFAULT_CRITERION
+
 DEFAULTS: dict[str, Any] = {
     "study_name": "lessmem_search",
     "objective": "fidelity",        # fidelity | accuracy
+    # kernels: one pooling kernel per layer or group (conv inputs only); menu: per-unit weights on
+    # the menu knapsack's criterion (conv pooling x storage, BatchNorm / activation storages), needs
+    # ``menu`` (a menu.json of lessmem-sensitivity sensitivity.menu=true), objective=accuracy, mode=budget.
+    "space": "kernels",
+    "menu": None,
+    "criterion": DEFAULT_CRITERION,  # space=menu: what the knapsack minimizes
     "mode": "pareto",               # pareto: NSGA-II on (bytes, score) | budget: max score s.t. bytes
     "n_trials": 50,
     "seed": 0,
@@ -52,6 +60,19 @@ def load_sweep(path: str | Path | None, overrides: Sequence[str] = ()) -> DictCo
         raise ValueError(f"objective must be 'fidelity' or 'accuracy', got {cfg.objective!r}")
     if cfg.mode not in ("pareto", "budget"):
         raise ValueError(f"mode must be 'pareto' or 'budget', got {cfg.mode!r}")
+    if cfg.space not in ("kernels", "menu"):
+        raise ValueError(f"space must be 'kernels' or 'menu', got {cfg.space!r}")
+    if cfg.space == "menu":
+        if cfg.objective != "accuracy" or cfg.mode != "budget":
+            raise ValueError("space=menu needs objective=accuracy and mode=budget (the knapsack already "
+                             "gives the map of best criterion; the search trains its variations at one budget)")
+        if not cfg.menu or not Path(str(cfg.menu)).exists():
+            raise FileNotFoundError(f"space=menu needs menu=<menu.json of lessmem-sensitivity sensitivity.menu=true>; "
+                                    f"got {cfg.menu!r}")
+        if cfg.criterion not in CRITERIA:
+            raise ValueError(f"criterion must be one of {', '.join(CRITERIA)}, got {cfg.criterion!r}")
+        if not 0 < float(cfg.budget) <= 1:
+            raise ValueError(f"space=menu: budget is a fraction of stock saved bytes in (0, 1], got {cfg.budget}")
     pruner = str(cfg.pruner.name)
     if pruner not in PRUNERS:
         raise ValueError(f"pruner.name must be one of {list(PRUNERS)}, got {pruner!r}")

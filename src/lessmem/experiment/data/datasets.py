@@ -12,11 +12,17 @@ import torch
 
 from lessmem.experiment.data.cache import load_split
 from lessmem.experiment.data.images import TensorImages
-from lessmem.experiment.data.scan import ImageFolderSplit, balanced_subset, image_folder_split
+from lessmem.experiment.data.scan import (
+    ImageFolderSplit,
+    balanced_subset,
+    holdout_split,
+    image_folder_split,
+)
 from lessmem.experiment.data.text import stdlib_text
 from lessmem.experiment.paths import DATA_ENV, DEFAULT_DATA_DIR, resolve_path
 
 DATASETS = ("cifar10", "imagenet", "stdlib_text", "synthetic")
+VAL_SOURCES = ("test", "train_holdout")
 
 
 def missing_data_error(root: Path, name: str) -> FileNotFoundError:
@@ -55,15 +61,22 @@ def _cifar10(cfg: Mapping[str, Any]) -> tuple[Any, Any]:
     root = resolve_path(cfg["root"])
     size = cfg.get("image_size") or 32
     seed = int(cfg.get("subset_seed", 0))
+    source = cfg.get("val_source", "test")
+    if source not in VAL_SOURCES:
+        raise ValueError(f"dataset.val_source must be one of {', '.join(VAL_SOURCES)}, got {source!r}")
     if not (root / "train").is_dir():
         if not cfg.get("download", False):
             raise missing_data_error(root, "cifar10")
+        if source != "test":
+            raise ValueError("dataset.val_source=train_holdout reads the ImageFolder files; the download path has test only")
         return _cifar10_download(root, cfg, seed)
     if not (root / "test").is_dir():
         raise missing_data_error(root, "cifar10")
     resize = None if size == 32 else size
-    return (image_folder_split(root / "train", resize, cfg.get("train_subset"), seed),
-            image_folder_split(root / "test", resize, cfg.get("val_subset"), seed))
+    train = image_folder_split(root / "train", resize, cfg.get("train_subset"), seed)
+    if source == "train_holdout":
+        return train, holdout_split(train, cfg.get("val_subset"), seed)
+    return train, image_folder_split(root / "test", resize, cfg.get("val_subset"), seed)
 
 
 def _cifar10_download(root: Path, cfg: Mapping[str, Any], seed: int) -> tuple[TensorImages, TensorImages]:

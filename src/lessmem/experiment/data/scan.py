@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -77,3 +77,15 @@ def image_folder_split(root: Path, image_size: int | None, subset: int | None,
     files, labels, classes = scan_image_folder(root)
     return ImageFolderSplit(root, files, labels, classes, balanced_subset(labels, subset, subset_seed),
                             image_size)
+
+
+def holdout_split(train: ImageFolderSplit, size: int | None, subset_seed: int) -> ImageFolderSplit:
+    """A balanced ``size`` of the files of ``train``'s folder that ``train``'s subset leaves out
+    (None: all of them): a validation set that a search can select on without touching the test set."""
+    if train.subset is None:
+        raise ValueError("dataset.val_source=train_holdout needs dataset.train_subset: the whole train "
+                         "folder is training data, nothing is left to hold out")
+    taken = set(train.subset)
+    rest = [i for i in range(len(train.files)) if i not in taken]
+    pick = balanced_subset([train.labels[i] for i in rest], size, subset_seed)
+    return replace(train, subset=rest if pick is None else [rest[j] for j in pick])

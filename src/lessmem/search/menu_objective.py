@@ -1,0 +1,94 @@
+"""Trials of a menu search (``space: menu``): per-layer maps over the whole compressor menu
+(pooling x storage for conv inputs, storages for BatchNorm / activation inputs) at a budget of
+total saved bytes, scored by trained accuracy.
+
+A random per-layer choice almost never fits a tight budget, so Optuna does not pick options
+directly: it picks one log-weight per unit (a conv group reading one tensor, a BatchNorm or an
+activation input), and the trial's map is the menu knapsack's answer with each unit's criterion
+values scaled by ``exp(weight)``. Every trial therefore fits the budget and spends it, and the
+search explores which layers the criterion under- or over-rates. All weights 0 is the
+criterion's own map (enqueued first, labelled ``knapsack``). A map an earlier trial already
+trained is not trained again: the trial takes that score (``same_as``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import optuna
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from lessmem.layer_sensitivity import MapChoice, MenuResult, write_map_yaml
+from lessmem.search.objective import train_trial
+
+WEIGHT_RANGE = (-2.0, 2.0)  # a unit's criterion scaled by 0.14x .. 7.4x
+
+
+def weight_param(unit: str) -> str:
+    """The Optuna parameter of a unit's log-weight."""
+    return f"w:{unit}"
+
+
+def map_key(choice: MapChoice) -> str:
+    """Equal maps, equal keys (the trial-reuse check)."""
+    text = json.dumps([choice.map, choice.norm_storage, choice.act_storage], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+class MenuObjective:
+    """One trial: unit weights -> the knapsack's map at the budget -> map file -> trained score."""
+
+    def __init__(self, sweep: DictConfig, base: DictConfig, menu: MenuResult, out_dir: Path) -> None:
+        self.sweep, self.base, self.menu, self.out_dir = sweep, base, menu, out_dir
+        self.units = menu.unit_items()
+        self.budget = float(sweep.budget)
+        self.criterion = str(sweep.criterion)
+
+    def seeds(self) -> dict[str, dict[str, float]]:
+        """The criterion's own map (every weight 0), as Optuna params."""
+        return {"knapsack": {weight_param(u): 0.0 for u in self.units}}
+
+    def choice(self, weights: dict[str, float]) -> MapChoice:
+        per_item = {name: math.exp(weights[u]) for u, names in self.units.items() for name in names}
+        return self.menu.make_map(self.budget, self.criterion, weights=per_item)
+
+    def __call__(self, trial: optuna.Trial) -> float:
+        weights = {u: trial.suggest_float(weight_param(u), *WEIGHT_RANGE) for u in self.units}
+        choice = self.choice(weights)
+        key = map_key(choice)
+        name = f"{self.sweep.study_name}_t{trial.number}"
+        trial_dir = self.out_dir / "trials" / f"{trial.number:04d}"
+        map_path = write_map_yaml(choice.map, trial_dir / "compression.yaml", name=name,
+                                  norm_storage=choice.norm_storage, act_storage=choice.act_storage,
+                                  comment=f"{self.sweep.study_name} trial {trial.number}: predicted saved bytes "
+                                          f"{choice.score['ratio']:.3f}x stock, {self.criterion} "
+                                          f"{choice.score[self.criterion]:.4g}")
+        cfg = self.base.copy()
+        with open_dict(cfg):
+            cfg.compression.map_file = str(map_path)
+            cfg.out_dir = str(trial_dir / "train")
+        OmegaConf.save(cfg, trial_dir / "config.yaml")
+        overrides = [*self.sweep.base_overrides, f"compression.map_file={map_path}", f"out_dir={trial_dir / 'train'}"]
+        trial.set_user_attr("map_key", key)
+        trial.set_user_attr("map_file", str(map_path))
+        trial.set_user_attr("config", str(trial_dir / "config.yaml"))
+        trial.set_user_attr("rerun", "lessmem-train " + " ".join(overrides))
+        trial.set_user_attr("saved_bytes", choice.score["bytes"])
+        trial.set_user_attr("ratio", choice.score["ratio"])
+        trial.set_user_attr("criterion", choice.score[self.criterion])
+        earlier = self._trained(trial.study, key)
+        if earlier is not None:
+            trial.set_user_attr("same_as", earlier.number)
+            score = float(earlier.value)
+        else:
+            score = train_trial(cfg, trial, str(self.sweep.score_key))
+        trial.set_user_attr("score", score)
+        return score
+
+    @staticmethod
+    def _trained(study: optuna.Study, key: str) -> optuna.trial.FrozenTrial | None:
+        done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        return next((t for t in done if t.user_attrs.get("map_key") == key and "same_as" not in t.user_attrs), None)

@@ -1,0 +1,104 @@
+"""A menu search's report: ``trials.csv``, ``report.md``, ``summary.json``, the best map as
+``best_map.yaml`` and ``search.png`` (each trial's score against its criterion value)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import optuna
+from omegaconf import DictConfig
+
+from lessmem.reporting import pyplot, save_figure
+
+FIELDS = ["trial", "seed", "state", "pruned_at_epoch", "ratio", "criterion", "score", "same_as", "map_file"]
+
+
+def menu_rows(study: optuna.Study) -> list[dict[str, Any]]:
+    """Complete and pruned trials (a pruned one's score: its last reported value)."""
+    rows = []
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    for t in study.get_trials(deepcopy=False, states=states):
+        a, steps = t.user_attrs, t.intermediate_values
+        pruned = t.state == optuna.trial.TrialState.PRUNED
+        last = max(steps) if steps else None
+        score = a.get("score") if not pruned else (steps[last] if last is not None else None)
+        rows.append({"trial": t.number, "seed": a.get("seed", ""), "state": "pruned" if pruned else "complete",
+                     "pruned_at_epoch": last if pruned and last is not None else "",
+                     "ratio": a.get("ratio"), "criterion": a.get("criterion"), "score": score,
+                     "same_as": a.get("same_as", ""), "map_file": a.get("map_file", "")})
+    return sorted(rows, key=lambda r: r["trial"])
+
+
+def write_menu_report(study: optuna.Study, sweep: DictConfig, out_dir: Path) -> dict[str, Any]:
+    rows = menu_rows(study)
+    complete = [r for r in rows if r["state"] == "complete"]
+    if not complete:
+        raise RuntimeError(f"study {sweep.study_name} has no complete trial")
+    with (out_dir / "trials.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    best = max(complete, key=lambda r: r["score"])
+    seed = next((r for r in complete if r["seed"] == "knapsack"), None)
+    shutil.copyfile(best["map_file"], out_dir / "best_map.yaml")
+    summary = {
+        "study": sweep.study_name, "space": "menu", "objective": sweep.objective, "score_key": sweep.score_key,
+        "budget": float(sweep.budget), "criterion": sweep.criterion, "pruner": str(sweep.pruner.name),
+        "complete_trials": len(complete), "pruned_trials": len(rows) - len(complete),
+        "distinct_maps_trained": len({r["map_file"] for r in complete if r["same_as"] == ""}),
+        "best": {k: best[k] for k in ("trial", "score", "ratio", "criterion")},
+        "best_map": str(out_dir / "best_map.yaml"),
+        "knapsack": {k: seed[k] for k in ("trial", "score", "ratio", "criterion")} if seed else None,
+        "best_is_knapsack": bool(seed and best["trial"] == seed["trial"]),
+        "report": str(out_dir / "report.md"),
+    }
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out_dir / "report.md").write_text(_markdown(rows, summary, sweep))
+    plot_menu_search(rows, out_dir / "search.png", sweep)
+    return summary
+
+
+def _markdown(rows: Sequence[dict[str, Any]], summary: dict[str, Any], sweep: DictConfig) -> str:
+    lines = [f"# Menu search: {sweep.study_name}", "",
+             f"Maps at <= {float(sweep.budget):g}x stock saved bytes, the knapsack over the whole menu on "
+             f"`{sweep.criterion}` with per-unit weights from Optuna (TPE); score: `{sweep.score_key}` of a short "
+             f"training run ({sweep.pruner.name} pruning). {summary['complete_trials']} complete trials "
+             f"({summary['distinct_maps_trained']} distinct maps trained), {summary['pruned_trials']} pruned.", "",
+             f"Best: trial {summary['best']['trial']} ({summary['best']['score']:.4f}); "
+             + (f"the criterion's own map (trial {summary['knapsack']['trial']}): {summary['knapsack']['score']:.4f}."
+                if summary["knapsack"] else "the criterion's own map did not complete."), "",
+             "| trial | seed | state | saved ratio | criterion | score | same map as |", "|---|---|---|---:|---:|---:|---|"]
+    for r in sorted(rows, key=lambda r: -(r["score"] if r["score"] is not None else -1)):
+        score = "" if r["score"] is None else f"{r['score']:.4f}"
+        state = r["state"] + (f" (epoch {r['pruned_at_epoch']})" if r["pruned_at_epoch"] != "" else "")
+        lines.append(f"| {r['trial']} | {r['seed']} | {state} | {r['ratio']:.3f} | {r['criterion']:.4g} | "
+                     f"{score} | {r['same_as']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_menu_search(rows: Sequence[dict[str, Any]], path: Path, sweep: DictConfig) -> Path:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.0, 4.2))
+    for state, marker, color in (("complete", "o", "tab:blue"), ("pruned", "x", "tab:orange")):
+        shown = [r for r in rows if r["state"] == state and r["score"] is not None]
+        label = state if state == "complete" else "pruned (last reported)"
+        ax.scatter([r["criterion"] for r in shown], [r["score"] for r in shown], marker=marker, color=color,
+                   s=24, label=label)
+    for r in rows:
+        if r["seed"] and r["score"] is not None:
+            ax.scatter(r["criterion"], r["score"], marker="*", s=140, color="tab:red", zorder=3)
+            ax.annotate(r["seed"], (r["criterion"], r["score"]), fontsize=7, xytext=(4, -10), textcoords="offset points")
+    if sweep.criterion != "cosine":
+        ax.set_xscale("log")
+    ax.set_xlabel(f"{sweep.criterion} of the trial's map")
+    ax.set_ylabel(str(sweep.score_key))
+    ax.set_title(f"{sweep.study_name}: maps at <= {float(sweep.budget):g}x stock saved bytes", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path, dpi=120)
