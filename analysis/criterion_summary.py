@@ -15,7 +15,7 @@ import math
 import sys
 from pathlib import Path
 
-from budget_summary import schedule
+from proof_summary import schedule
 
 from lessmem.layer_sensitivity import MenuResult, read_map_yaml
 

@@ -1,4 +1,4 @@
-"""Training jobs of the analysis drivers (proof.py, criterion_check.py, budget_proof.py): each run
+"""Training jobs of the analysis drivers (proof_2x2.py, criterion_check.py, proof.py): each run
 is its own process (``OMP_NUM_THREADS=threads``, niced), ``workers`` at a time; a job whose done-file
 exists is skipped and an interrupted one resumes from its checkpoint.
 

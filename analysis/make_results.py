@@ -171,10 +171,10 @@ def search_section(results: Path, docs: Path) -> list[str]:
 
 
 def proof_section(proof: Path, docs: Path) -> list[str]:
-    """The accuracy proof (analysis/proof.py): its summary.md, links made relative to docs/."""
+    """The accuracy proof (analysis/proof_2x2.py): its summary.md, links made relative to docs/."""
     md = proof / "summary.md"
     if not md.is_file():
-        return ["*Not run yet: `python analysis/proof.py` then `python analysis/proof_summary.py`.*", ""]
+        return ["*Not run yet: `python analysis/proof_2x2.py` then `python analysis/proof_2x2_summary.py`.*", ""]
     prefix = rel(proof, docs)
     text = md.read_text().split("\n", 1)[1]  # drop its title
     for name in ("accuracy.png", "curves.png", "ranking.png", "search/pareto.md", "search/trials.csv"):
@@ -184,14 +184,14 @@ def proof_section(proof: Path, docs: Path) -> list[str]:
 
 def budget_section(results: Path, docs: Path) -> list[str]:
     """Issue 19: the menu measurement, the criterion check and the budget proof (their summary.md
-    files, written by analysis/criterion_summary.py and analysis/budget_summary.py)."""
+    files, written by analysis/criterion_summary.py and analysis/proof_summary.py)."""
     lines = []
     for sub, title, missing in (
         ("menu.md", "The compressor menu of resnet20", "lessmem-sensitivity ... sensitivity.menu=true"),
         ("criterion_check/summary.md", "Does the criterion predict accuracy?",
          "python analysis/criterion_check.py, then python analysis/criterion_summary.py"),
         ("budget_proof/summary.md", "Maps at a memory budget: chosen vs uniform, paired seeds",
-         "python analysis/budget_proof.py, then python analysis/budget_summary.py"),
+         "python analysis/proof.py, then python analysis/proof_summary.py"),
     ):
         md = results / sub
         lines += [f"### {title}", ""]

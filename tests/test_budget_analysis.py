@@ -1,4 +1,4 @@
-"""analysis/criterion_summary.py and analysis/budget_summary.py on run directories made here: the
+"""analysis/criterion_summary.py and analysis/proof_summary.py on run directories made here: the
 ranking's sign convention, the paired differences and which uniform option is the reference."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_criterion_summary_ranks_a_perfect_predictor_first(tmp_path: Path) -> No
         im.verify()
 
 
-def test_budget_summary_pairs_seeds_against_stock_and_the_best_uniform(tmp_path: Path) -> None:
+def test_proof_summary_pairs_seeds_against_stock_and_the_best_uniform(tmp_path: Path) -> None:
     for seed, base in enumerate((60.0, 62.0, 61.0)):
         write_run(tmp_path, "stock", seed, base, 1.0)
         write_run(tmp_path, "pool2", seed, base - 1.0, 0.64)
@@ -60,7 +60,13 @@ def test_budget_summary_pairs_seeds_against_stock_and_the_best_uniform(tmp_path:
         write_run(tmp_path, "chosen_4x4", seed, base - 0.1 * (seed + 1), 0.546)
         write_run(tmp_path, "int4_bn2", seed, base - 1.5, 0.125)
         write_run(tmp_path, "chosen_0.15", seed, base - 0.5, 0.149)
-    analysis("budget_summary", tmp_path)
+        write_run(tmp_path, "search_0.15", seed, base - 0.2, 0.150)
+    search = tmp_path / "search" / "b0.15"
+    search.mkdir(parents=True)
+    (search / "summary.json").write_text(json.dumps({
+        "budget": 0.15, "complete_trials": 6, "pruned_trials": 4, "distinct_maps_trained": 5,
+        "knapsack": {"trial": 0, "score": 0.41}, "best": {"trial": 3, "score": 0.43}, "best_is_knapsack": False}))
+    analysis("proof_summary", tmp_path)
     result = json.loads((tmp_path / "summary.json").read_text())
     at_4x4 = result["budgets"]["4x4"]
     assert at_4x4["best_uniform"] == "int8_bn8"  # fits 4x4's bytes, so it competes there
@@ -68,10 +74,12 @@ def test_budget_summary_pairs_seeds_against_stock_and_the_best_uniform(tmp_path:
     assert chosen["vs_stock"]["diffs"] == pytest.approx([-0.1, -0.2, -0.3])
     assert chosen["vs_best_uniform"]["mean_diff"] == pytest.approx(0.1)
     at_015 = result["budgets"]["0.15"]
-    assert {r["config"] for r in at_015["rows"]} == {"int4_bn2", "chosen_0.15"}
-    assert at_015["best_uniform"] == "int4_bn2"
+    assert {r["config"] for r in at_015["rows"]} == {"int4_bn2", "chosen_0.15", "search_0.15"}
+    assert at_015["best_uniform"] == "int4_bn2"  # a searched map is not a uniform option
     assert next(r for r in at_015["rows"] if r["config"] == "chosen_0.15")["vs_best_uniform"]["mean_diff"] == \
         pytest.approx(1.0)
+    assert "| 0.15 | 10 (4) | 5 | 41.00 | trial 3: 43.00 | no | [search/b0.15/report.md]" in \
+        (tmp_path / "summary.md").read_text()
     with Image.open(tmp_path / "frontier.png") as im:
         im.verify()
 
@@ -84,3 +92,29 @@ def test_a_proof_directory_reads_as_runs_not_as_a_search(tmp_path: Path) -> None
     assert not is_search_dir(tmp_path)
     (tmp_path / "trials.csv").write_text("trial\n")
     assert is_search_dir(tmp_path)
+
+
+def test_proof_driver_trains_each_search_best_map_after_its_search(tmp_path: Path) -> None:
+    """analysis/proof.py: a ``search_*`` configuration waits for the menu search of its budget (run
+    first, at the ratio the menu predicts for uniform 4x4) and trains that search's best map."""
+    import argparse
+
+    sys.path.insert(0, str(ANALYSIS))
+    try:
+        import proof
+    finally:
+        sys.path.remove(str(ANALYSIS))
+    torch.manual_seed(0)
+    menu = measure_menu(build_model("resnet20", num_classes=10).train(), [(torch.randn(2, 3, 32, 32), torch.tensor([0, 1]))],
+                        kernels=(1, 2, 4), storages=("native", "int8"), norm_storages=("int8",), act_storages=())
+    menu.save(tmp_path / "menu", heatmap=False)
+    args = argparse.Namespace(epochs=1, train_subset=100, seeds=[0, 1], configs=["stock", "search_4x4"],
+                              menu=tmp_path / "menu" / "menu.json", search_trials=3)
+    jobs = {j.name: j for j in proof.jobs_for(tmp_path, args)}
+    assert list(jobs)[0] == "search_4x4"
+    ratio = menu.uniform("4")["ratio"]
+    assert f"budget={ratio:.4g}" in jobs["search_4x4"].argv and "n_trials=3" in jobs["search_4x4"].argv
+    for seed in (0, 1):
+        train = jobs[f"search_4x4/seed{seed}"]
+        assert train.deps == ["search_4x4"]
+        assert train.needs == [tmp_path / "search" / f"b{ratio:.4g}" / "best_map.yaml"]
