@@ -110,7 +110,9 @@ def _quantize_reference(flat: Tensor, bits: int, key: int) -> tuple[Tensor, Tens
     groups = flat.view(-1, GROUP).float()
     lo = groups.amin(dim=1, keepdim=True)
     levels = (1 << bits) - 1
-    scale = (groups.amax(dim=1, keepdim=True) - lo).clamp_min_(1e-20) / levels
+    # Divided by a tensor: CUDA divides by a Python number as a product with its float reciprocal
+    # (an ulp off in most groups), and the scale is to be the same on every device and kernel.
+    scale = (groups.amax(dim=1, keepdim=True) - lo).clamp_min_(1e-20).div_(lo.new_full((1, 1), levels))
     q = (groups - lo).div_(scale)
     if bits < 8:
         q.add_(uniform_noise(q.numel(), key, q.device).view_as(q)).floor_()
