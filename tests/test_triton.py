@@ -1,5 +1,6 @@
-"""The Triton mask kernels (GPU path), checked on CPU under Triton's interpreter: the same
-outputs, gradients and packed bits as the torch reference and stock autograd."""
+"""The Triton kernels (GPU path), checked on CPU under Triton's interpreter: the mask kernels give
+the same outputs, gradients and packed bits as the torch reference and stock autograd, the group
+quantization the same codes, min, scale and decoded values as the storage reference."""
 
 from __future__ import annotations
 
@@ -44,13 +45,54 @@ SCRIPT = textwrap.dedent("""
     print("triton kernels ok")
 """)
 
+GROUP_SCRIPT = textwrap.dedent("""
+    import torch
+    from lessmem.core import storage
+    from lessmem.core.kernels import triton as triton_kernels
+    from lessmem.core.rounding import next_key, set_rounding_seed
+    assert storage._fused_group_kernels(torch.zeros(1)) is triton_kernels
+    torch.manual_seed(0)
+    ties = torch.cat([torch.tensor([0.0, 255.0]), torch.arange(126) + 0.5])  # 8 bits: q = k + 1/2
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        # 1155 and 540 elements: a partial last group, and not whole bytes of 1, 2 or 4-bit codes
+        xs = [torch.randn(3, 5, 7, 11) * 3,
+              torch.randn(2, 6, 5, 9).relu().contiguous(memory_format=torch.channels_last),
+              ties, torch.full((3,), 2.5)]
+        for storage_name, bits in storage.BITS.items():
+            for x in xs:
+                x = x.to(dtype)
+                meta = storage.tensor_meta(x)
+                set_rounding_seed(7)
+                packed = storage.pack_tensor(x, storage_name)
+                set_rounding_seed(7)
+                key = next_key() if bits < 8 else 0
+                ref = storage._quantize_reference(storage._flat(x, meta.channels_last), bits, key)
+                assert all(torch.equal(a, b) for a, b in zip(packed, ref)), (dtype, bits, x.shape)
+                out = storage.unpack_tensor(packed, storage_name, meta)
+                assert torch.equal(out, storage._dequantize_reference(*ref, bits, meta)), (dtype, bits, x.shape)
+                assert out.dtype == dtype and out.stride() == x.stride()
+    print("triton group kernels ok")
+""")
+
+
+def _interpret(script: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "LESSMEM_TRITON": "1"}
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+
 
 @pytest.mark.slow
 def test_triton_mask_kernels_match_reference() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "LESSMEM_TRITON": "1"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    proc = _interpret(SCRIPT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "triton kernels ok" in proc.stdout
+
+
+def test_triton_group_quantization_matches_reference() -> None:
+    """int8/4/2/1 of float32, bfloat16, float16 and float64, contiguous and channels-last: the
+    reference's codes, min and scale (stochastic-rounding noise included), and its decoded values."""
+    proc = _interpret(GROUP_SCRIPT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "triton group kernels ok" in proc.stdout
 
 
 def test_cpu_tensors_use_the_torch_reference_by_default() -> None:

@@ -7,8 +7,8 @@ for a contiguous one, along a row of a channel plane; for tokens, along the feat
 min and scale as float32 (8 bytes per 128 elements, 0.5 bit per element). 8-bit codes round to
 nearest; 4, 2 and 1-bit codes round stochastically and unbiased (E[decoded] = x), with the noise
 of ``rounding``. Codes below 8 bits are packed 8 // b to a byte, the first code in the low bits.
-On CPU the fused C++ kernels (``kernels.cpu``) quantize and decode in one pass each, with the same
-bits as the torch reference here.
+The fused kernels (C++ on CPU, ``kernels.cpu``; Triton on CUDA, ``kernels.triton``) quantize and
+decode in one pass each, with the same bits as the torch reference here.
 
 Anything but ``"native"`` is lossy.
 """
@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from lessmem.core.kernels import cpu as cpu_kernels
+from lessmem.core.kernels import triton as triton_kernels
 from lessmem.core.layout import flat_memory_order
 from lessmem.core.rounding import next_key, uniform_noise
 
@@ -29,6 +30,7 @@ STORAGES: tuple[str, ...] = ("native", "bf16", "int8", "int4", "int2", "int1")
 BITS: dict[str, int] = {"int8": 8, "int4": 4, "int2": 2, "int1": 1}
 GROUP = 128
 RANGE_BYTES = 8  # float32 min and scale per group
+FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # what the kernels take
 
 
 class TensorMeta(NamedTuple):
@@ -90,9 +92,15 @@ def pack_tensor(x: Tensor, storage: Storage) -> tuple[Tensor, ...]:
     bits = BITS[storage]
     flat = _flat(x, tensor_meta(x).channels_last)
     key = next_key() if bits < 8 else 0
-    if cpu_kernels.enabled_for(flat):  # one fused pass, the reference's bits
-        return cpu_kernels.quantize_groups(flat.contiguous(), bits, key)
+    fused = _fused_group_kernels(flat) if flat.dtype in FUSED_DTYPES else None
+    if fused is not None:  # one fused pass, the reference's bits
+        return fused.quantize_groups(flat.contiguous(), bits, key)
     return _quantize_reference(flat, bits, key)
+
+
+def _fused_group_kernels(t: Tensor):
+    """The fused group kernels for ``t`` (Triton on CUDA, C++ on CPU), or None for the reference."""
+    return next((k for k in (triton_kernels, cpu_kernels) if k.enabled_for(t)), None)
 
 
 def _quantize_reference(flat: Tensor, bits: int, key: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -102,7 +110,9 @@ def _quantize_reference(flat: Tensor, bits: int, key: int) -> tuple[Tensor, Tens
     groups = flat.view(-1, GROUP).float()
     lo = groups.amin(dim=1, keepdim=True)
     levels = (1 << bits) - 1
-    scale = (groups.amax(dim=1, keepdim=True) - lo).clamp_min_(1e-20) / levels
+    # Divided by a tensor: CUDA divides by a Python number as a product with its float reciprocal
+    # (an ulp off in most groups), and the scale is to be the same on every device and kernel.
+    scale = (groups.amax(dim=1, keepdim=True) - lo).clamp_min_(1e-20).div_(lo.new_full((1, 1), levels))
     q = (groups - lo).div_(scale)
     if bits < 8:
         q.add_(uniform_noise(q.numel(), key, q.device).view_as(q)).floor_()
@@ -125,10 +135,11 @@ def unpack_tensor(packed: tuple[Tensor, ...] | list[Tensor], storage: Storage, m
         return packed[0].to(meta.dtype)
     codes, lo, scale = packed
     bits = BITS[storage]
-    if meta.dtype.is_floating_point and cpu_kernels.enabled_for(lo):
+    fused = _fused_group_kernels(lo) if meta.dtype in FUSED_DTYPES else None
+    if fused is not None:
         layout = torch.channels_last if meta.channels_last else torch.contiguous_format
-        out = torch.empty(meta.shape, dtype=meta.dtype, memory_format=layout)
-        cpu_kernels.dequantize_groups(codes, lo, scale, bits, flat_memory_order(out))
+        out = torch.empty(meta.shape, dtype=meta.dtype, device=lo.device, memory_format=layout)
+        fused.dequantize_groups(codes, lo, scale, bits, flat_memory_order(out))
         return out
     return _dequantize_reference(codes, lo, scale, bits, meta)
 
