@@ -13,7 +13,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import lessmem.experiment.train as train_mod
-from lessmem.experiment.compression import compress_from_config
+from lessmem.experiment.compression import apply_adapted
 from lessmem.experiment.paths import conf_dir
 from lessmem.experiment.train import TIME_KEYS, run
 
@@ -227,8 +227,36 @@ def test_adaptive_schedule_reassigns_kernels_within_budget(tmp_path: Path) -> No
     ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
     assert ckpt["adaptive_map"] is not None
     model = build_model("resnet20", num_classes=10)
-    compress_from_config(model, ckpt["adaptive_map"], make_cfg(out))
+    apply_adapted(model, ckpt["adaptive_map"], make_cfg(out))
     assert {n: s.kernel[0] for n, s in lessmem.compressed_layers(model).items()} == changes[-1]["map"]
+
+
+@needs_cifar
+def test_adaptive_menu_rechooses_map_and_storages_within_budget(tmp_path: Path) -> None:
+    """adaptive.menu=true: the whole menu re-measured each time, map and BatchNorm storages chosen
+    within the total-saved-bytes budget (the run measures what the knapsack predicted), and resume
+    re-applies the choice in force."""
+    import lessmem
+    from lessmem.models import build_model
+
+    out = tmp_path / "adaptive_menu"
+    over = ["adaptive.every=1", "adaptive.menu=true", "adaptive.budget=0.3", "adaptive.probe_batch=4",
+            "adaptive.kernels=[1,2]", "adaptive.storages=[native,int8,int4]", "adaptive.norm_storages=[int8,int4]",
+            "adaptive.criterion=grad_error", "compression=none"]
+    metrics = run(make_cfg(out, *over))
+    changes = [json.loads(line) for line in (out / "adaptive.jsonl").read_text().splitlines()]
+    assert [c["epoch"] for c in changes] == [0, 1] and metrics["epochs"] == 2
+    stock_bytes = metrics["stock_saved_bytes"]
+    for c in changes:
+        assert c["predicted_ratio"] <= 0.3 and c["criterion"] == "grad_error"
+        assert c["saved_bytes"] / stock_bytes == pytest.approx(c["predicted_ratio"])  # probe batch == memory batch
+        assert c["map"] and c["norm_storage"] != "native"
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
+    model = build_model("resnet20", num_classes=10)
+    apply_adapted(model, ckpt["adaptive_map"], make_cfg(out, *over))
+    x = torch.randn(4, 3, 32, 32)
+    ratio = lessmem.measure_memory(model, x).ratio_to(lessmem.measure_memory(build_model("resnet20", num_classes=10), x))
+    assert ratio == pytest.approx(changes[-1]["predicted_ratio"])
 
 
 @needs_cifar

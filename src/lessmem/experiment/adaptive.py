@@ -1,7 +1,19 @@
-"""Adaptive compression schedule: re-assign kernels during training from measured fidelity."""
+"""Adaptive compression schedule: re-choose the map during training from measurements on the
+current weights (GACT re-estimates its bit allocation the same way, every N steps).
+
+Two modes. Kernels (default): every conv's weight-gradient fidelity per pooling kernel, kernels
+re-assigned greedily within ``budget`` (conv-input bytes, fraction of uncompressed). Menu
+(``adaptive.menu=true``): the whole compressor menu re-measured (conv pooling x storage,
+BatchNorm / GELU / SiLU storages) and map plus storages chosen by the menu knapsack on
+``criterion`` within ``budget`` (total saved bytes, fraction of stock).
+
+The choice in force is ``{"map", "norm_storage", "act_storage"}``: checkpoints carry it and
+resume re-applies it. Deterministic, so every DDP rank arrives at the same choice.
+"""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections.abc import Callable
@@ -11,42 +23,68 @@ from typing import Any
 from omegaconf import DictConfig
 from torch import Tensor, nn
 
-from lessmem.core import measure_memory
-from lessmem.experiment.compression import compress_from_config
-from lessmem.layer_sensitivity import append_history, sensitivity
+from lessmem.core import measure_memory, uncompress
+from lessmem.experiment.compression import apply_adapted, resolve_compression
+from lessmem.layer_sensitivity import DEFAULT_CRITERION, append_history, measure_menu, sensitivity
 
 log = logging.getLogger(__name__)
 
 
 def adapt_compression(net: nn.Module, probe: tuple[Tensor, Tensor], acfg: Any, cfg: DictConfig,
                       epoch: int, x_memory: Tensor, out_dir: Path, logger: Any,
-                      is_main: bool, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> dict[str, int]:
-    """Adaptive schedule: re-measure every conv's weight-gradient fidelity on the fixed probe
-    batch (with the run's loss) and re-assign kernels greedily within the memory budget (most bytes saved per
-    fidelity lost). Deterministic, so every DDP rank arrives at the same map."""
+                      is_main: bool, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> dict[str, Any]:
+    """Re-measure on the fixed ``probe`` batch (with the run's loss), apply the new choice to
+    ``net`` (the module itself, not its DDP / compiled wrapper) and log it; returns the choice in force."""
     device = next(net.parameters()).device
+    batch = [(probe[0].to(device), probe[1].to(device))]
     was_training = net.training
     net.train()
-    result = sensitivity(net, [(probe[0].to(device), probe[1].to(device))],
-                         kernels=[int(k) for k in acfg.get("kernels", (1, 2, 4, 8))], loss_fn=loss_fn)
-    budget = acfg.get("budget")
-    mapping = result.make_map(None if budget is None else float(budget), acfg.get("min_cosine"))
-    compress_from_config(net, mapping, cfg)
+    if acfg.get("menu"):
+        adapted, change = _menu_choice(net, batch, acfg, loss_fn)
+    else:
+        adapted, change = _kernel_choice(net, batch, acfg, cfg, loss_fn, out_dir if is_main else None, epoch)
+    apply_adapted(net, adapted, cfg)
+    # Measured in train mode, as training runs it (after an evaluation the net is in eval mode).
+    change = {"epoch": epoch, **change, "saved_bytes": measure_memory(net, x_memory.to(device)).total_bytes}
     net.train(was_training)
-    change = {
-        "epoch": epoch, "conv_input_bytes": result.saved_bytes(mapping),
-        "conv_input_bytes_uncompressed": result.baseline_bytes(),
-        "mean_grad_cosine": result.mean_cosine(mapping),
-        "saved_bytes": measure_memory(net, x_memory.to(device)).total_bytes,
-        "map": {n: k for n, k in mapping.items() if k != 1},
-    }
     if is_main:
-        append_history(result, out_dir / "sensitivity.csv", step=epoch, epoch=epoch)
         with (out_dir / "adaptive.jsonl").open("a") as f:
             f.write(json.dumps(change) + "\n")
-        log.info("adaptive map at epoch %d: %d conv-input bytes (%.3f of exact), mean cosine %.3f",
-                 epoch, change["conv_input_bytes"],
-                 change["conv_input_bytes"] / max(1, change["conv_input_bytes_uncompressed"]),
-                 change["mean_grad_cosine"])
-    logger.log({f"adaptive/{k}": v for k, v in change.items() if k != "map"} | {"epoch": epoch})
-    return mapping
+        log.info("adaptive choice at epoch %d: %s", epoch,
+                 ", ".join(f"{k} {v:.4g}" for k, v in change.items() if isinstance(v, float)))
+    logger.log({f"adaptive/{k}": v for k, v in change.items() if isinstance(v, int | float)} | {"epoch": epoch})
+    return adapted
+
+
+def _kernel_choice(net: nn.Module, batch: list[tuple[Tensor, Tensor]], acfg: Any, cfg: DictConfig,
+                   loss_fn: Callable[[Tensor, Tensor], Tensor], history_dir: Path | None,
+                   epoch: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    result = sensitivity(net, batch, kernels=[int(k) for k in acfg.get("kernels", (1, 2, 4, 8))], loss_fn=loss_fn)
+    budget = acfg.get("budget")
+    mapping = result.make_map(None if budget is None else float(budget), acfg.get("min_cosine"))
+    if history_dir is not None:
+        append_history(result, history_dir / "sensitivity.csv", step=epoch, epoch=epoch)
+    base = resolve_compression(cfg.compression)
+    adapted = {"map": mapping, "norm_storage": base.norm_storage, "act_storage": base.act_storage}
+    return adapted, {"conv_input_bytes": result.saved_bytes(mapping),
+                     "conv_input_bytes_uncompressed": result.baseline_bytes(),
+                     "mean_grad_cosine": result.mean_cosine(mapping),
+                     "map": {n: k for n, k in mapping.items() if k != 1}}
+
+
+def _menu_choice(model: nn.Module, batch: list[tuple[Tensor, Tensor]], acfg: Any,
+                 loss_fn: Callable[[Tensor, Tensor], Tensor]) -> tuple[dict[str, Any], dict[str, Any]]:
+    # The menu is measured on stock layers carrying the current weights (a copy: the run's model
+    # keeps its compressed layers and optimizer state).
+    stock = uncompress(copy.deepcopy(model)).train()
+    lossy = [str(s) for s in acfg.get("norm_storages", ("bf16", "int8", "int4", "int2"))]
+    menu = measure_menu(stock, batch, kernels=[int(k) for k in acfg.get("kernels", (1, 2, 4, 8))],
+                        storages=[str(s) for s in acfg.get("storages", ("native", "bf16", "int8", "int4", "int2"))],
+                        norm_storages=lossy, act_storages=lossy, loss_fn=loss_fn)
+    criterion = str(acfg.get("criterion") or DEFAULT_CRITERION)
+    choice = menu.make_map(float(acfg.get("budget")), criterion)
+    adapted = {"map": choice.map, "norm_storage": choice.norm_storage, "act_storage": choice.act_storage}
+    return adapted, {"predicted_ratio": choice.score["ratio"], "criterion": criterion,
+                     **{k: choice.score[k] for k in ("grad_error", "cosine", "loss_change")},
+                     "map": {n: o for n, o in choice.map.items() if o != "1"},
+                     "norm_storage": choice.norm_storage, "act_storage": choice.act_storage}

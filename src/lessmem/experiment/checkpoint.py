@@ -14,7 +14,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from lessmem.experiment.compression import compress_from_config
+from lessmem.experiment.compression import apply_adapted
 from lessmem.experiment.files import atomic_torch_save
 from lessmem.experiment.paths import resolve_path
 from lessmem.experiment.seeds import rng_state, set_rng_state
@@ -74,7 +74,7 @@ def check_compatible(saved: dict[str, Any], now: dict[str, Any]) -> None:
 
 def save_checkpoint(path: Path, net: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                     scaler: torch.amp.GradScaler, *, epoch: int, history: list[dict[str, Any]],
-                    memory: dict[str, Any], cfg: DictConfig, adaptive_map: dict[str, int] | None) -> None:
+                    memory: dict[str, Any], cfg: DictConfig, adaptive_map: dict[str, Any] | None) -> None:
     """Everything ``resume=true`` needs to continue after ``epoch`` epochs, written atomically."""
     atomic_torch_save({
         "model": net.state_dict(), "optimizer": optimizer.state_dict(),
@@ -86,7 +86,7 @@ def save_checkpoint(path: Path, net: nn.Module, optimizer: torch.optim.Optimizer
 
 
 def restore_checkpoint(ckpt: dict[str, Any], cfg: DictConfig, net: nn.Module, optimizer: torch.optim.Optimizer,
-                       scheduler: Any, scaler: torch.amp.GradScaler) -> tuple[int, list[dict[str, Any]], dict[str, int] | None]:
+                       scheduler: Any, scaler: torch.amp.GradScaler) -> tuple[int, list[dict[str, Any]], dict[str, Any] | None]:
     """Put a run back where ``ckpt`` left it: weights, optimizer, schedule, scaler, RNG (with the
     rounding noise's counter), and the adaptive map in force. Returns (epochs done, history, adaptive map)."""
     check_compatible(ckpt.get("config", {}), OmegaConf.to_container(cfg, resolve=True))
@@ -100,8 +100,8 @@ def restore_checkpoint(ckpt: dict[str, Any], cfg: DictConfig, net: nn.Module, op
     scaler.load_state_dict(ckpt["scaler"])
     set_rng_state(ckpt["rng"])
     adaptive_map = ckpt.get("adaptive_map")
-    if adaptive_map is not None:  # the kernels in force when it was saved
-        compress_from_config(net, adaptive_map, cfg)
+    if adaptive_map is not None:  # the map and storages in force when it was saved
+        apply_adapted(net, adaptive_map, cfg)
     return int(ckpt["epoch"]), list(ckpt["history"]), adaptive_map
 
 

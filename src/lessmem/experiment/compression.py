@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,13 @@ def resolve_compression(ccfg: DictConfig) -> CompressionChoice:
                              source=source, act_storage=act_storage, saved_storage=saved_storage)
 
 
-def compress_from_config(net: nn.Module, mapping: dict[str, Any], cfg: DictConfig) -> None:
-    """Apply ``mapping`` with the settings of the run's compression choice."""
-    resolve_compression(cfg.compression).apply(net, mapping)
+def apply_adapted(net: nn.Module, adapted: Mapping[str, Any], cfg: DictConfig) -> None:
+    """Apply an adaptive schedule's choice (``{"map", "norm_storage", "act_storage"}``) with the
+    rest of the run's compression settings. Exact companions are on whenever the choice compresses
+    anything (as ``exact_companions: null`` means; the menu's bytes assume them), even on a run
+    that started stock."""
+    base = resolve_compression(cfg.compression)
+    mapping = dict(adapted["map"])
+    lossy = any(adapted[k] != "native" for k in ("norm_storage", "act_storage"))
+    replace(base, map=mapping, norm_storage=adapted["norm_storage"], act_storage=adapted["act_storage"],
+            exact_companions=base.exact_companions or lossy or _compresses(mapping)).apply(net)
