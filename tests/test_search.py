@@ -98,6 +98,18 @@ def test_accuracy_search_prunes_per_epoch(tmp_path, monkeypatch) -> None:
     assert "pruned" in rows and "Pruned trials" in (tmp_path / "s" / "pareto.md").read_text()
 
 
+def test_a_trial_is_never_pruned_after_its_last_epoch(tmp_path, monkeypatch) -> None:
+    """Pruning then saves nothing and would only throw a finished score away."""
+    import lessmem.search.study as study_module
+
+    monkeypatch.setattr(study_module, "make_pruner", lambda pcfg: _PruneFromTrial1())
+    s = sweep(tmp_path, n_trials=2, mode="budget", objective="accuracy", budget=0.3,
+              base_overrides=None, pruner={"name": "median"})
+    s.base_overrides = [*BASE, "epochs=1", "batch_size=32", "eval_batch_size=32", "memory_batch=4"]
+    summary = run_search(s)
+    assert summary["complete_trials"] == 2 and summary["pruned_trials"] == 0
+
+
 def test_pruner_choices() -> None:
     from lessmem.search import make_pruner
 

@@ -104,13 +104,15 @@ def train_trial(cfg: DictConfig, trial: optuna.Trial, score_key: str) -> float:
     """Train ``cfg`` reporting per-epoch val top-1 to ``trial`` (pruned when the pruner says so);
     returns ``metrics[score_key]``."""
     best = [float("-inf")]
+    epochs = int(cfg.epochs)
 
     def report(epoch: int, record: dict[str, Any]) -> None:
         # Intermediate value: the score so far (best_* keys: best epoch so far).
         value = float(record["val_top1"] if "top1" in score_key else record["val_top5"])
         best[0] = max(best[0], value)
         trial.report(best[0] if score_key.startswith("best") else value, epoch)
-        if trial.should_prune():
+        # After the last epoch there is nothing left to save: the trial completes with its score.
+        if epoch < epochs and trial.should_prune():
             trial.set_user_attr("pruned_at_epoch", epoch)
             raise optuna.TrialPruned(f"pruned after epoch {epoch} (val_top1 {value:.4f})")
 
