@@ -14,7 +14,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from proof import CONFIGS
+from proof import CONFIGS, MENU, search_budgets
+
+from lessmem.layer_sensitivity import MenuResult
 
 BUDGETS = {"2x2": "uniform 2x2's bytes", "4x4": "uniform 4x4's bytes", "0.15": "0.15x stock"}
 
@@ -42,18 +44,21 @@ def paired_t(diffs: list[float]) -> tuple[float, float]:
 
 
 def budget_limit(runs: dict[str, dict[int, dict]], budget: str) -> float:
-    """The budget as a saved-bytes ratio: measured for the uniform pooling configurations."""
+    """The budget as a saved-bytes ratio: measured for the uniform pooling configurations, else
+    as the menu predicts it (exact: the menu's bytes equal measure_memory's)."""
     if budget == "0.15":
         return 0.15
     ref = {"2x2": "pool2", "4x4": "pool4"}[budget]
     ratios = [r["ratio"] for r in runs.get(ref, {}).values()]
-    return max(ratios) if ratios else float("nan")
+    return max(ratios) if ratios else search_budgets(MenuResult.load(MENU))[budget]
 
 
 def summarize(out: Path) -> dict:
     runs = load(out)
     stock = runs.get("stock", {})
-    shared = sorted(str(p.parent.relative_to(out / "runs")) for p in (out / "runs").glob("*/seed*/REUSED"))
+    # Runs trained once for another study (same map, schedule and seed): run -> where from.
+    shared = {str(p.parent.relative_to(out / "runs")): p.read_text().strip()
+              for p in sorted((out / "runs").glob("*/seed*/REUSED"))}
     result: dict = {"budgets": {}, "schedule": schedule(out), "shared_runs": shared, "searches": searches(out)}
     for budget in BUDGETS:
         limit = budget_limit(runs, budget)
@@ -131,8 +136,8 @@ def markdown(result: dict) -> str:
              "grad_error:0.547:kernels`; the `search_*` maps: the best of the menu search at that budget, "
              "run by the same command), `python analysis/proof_summary.py DIR`.", ""]
     if result.get("shared_runs"):
-        lines += ["Runs shared with the criterion check (same map, schedule and seed, trained once): "
-                  + ", ".join(result["shared_runs"]) + ".", ""]
+        lines += ["Runs trained once and shared with another study (same map, schedule and seed): "
+                  + "; ".join(f"{run} ({source})" for run, source in result["shared_runs"].items()) + ".", ""]
     if "stock" in result:
         s = result["stock"]
         lines += [f"Stock: {s['mean']:.2f} ± {_fmt(s['std'], '.2f')} top-1 over seeds {s['seeds']}.", "",
