@@ -190,8 +190,11 @@ def budget_section(results: Path, docs: Path) -> list[str]:
         ("menu.md", "The compressor menu of resnet20", "lessmem-sensitivity ... sensitivity.menu=true"),
         ("criterion_check/summary.md", "Does the criterion predict accuracy?",
          "python analysis/criterion_check.py, then python analysis/criterion_summary.py"),
-        ("budget_proof/summary.md", "Maps at a memory budget: chosen vs uniform, paired seeds",
-         "python analysis/proof.py, then python analysis/proof_summary.py"),
+        ("budget_proof/summary.md", "Maps at a memory budget: chosen vs uniform vs searched, paired seeds",
+         "python analysis/proof.py --epochs 2 --train-subset 10000, then python analysis/proof_summary.py"),
+        ("budget_proof_long/summary.md", "The same at 4x4's bytes on the issue-12 schedule (4 epochs x 20k)",
+         "python analysis/proof.py --out docs/results/budget_proof_long --reuse docs/results/proof "
+         "--configs chosen_4x4 int8_bn8 stock, then python analysis/proof_summary.py docs/results/budget_proof_long"),
     ):
         md = results / sub
         lines += [f"### {title}", ""]

@@ -160,8 +160,11 @@ def markdown(result: dict) -> str:
                          f"[{sr['dir']}/report.md]({sr['dir']}/report.md) |")
         lines.append("")
     for budget, data in result["budgets"].items():
-        lines += [f"## Budget: {BUDGETS[budget]} (saved-bytes ratio <= {data['limit']:.3f})", "",
-                  "| config | saved ratio | fits | seeds | top-1 mean ± std | per seed | vs stock (paired) "
+        lines += [f"## Budget: {BUDGETS[budget]} (saved-bytes ratio <= {data['limit']:.3f})", ""]
+        if not data["rows"]:
+            lines += ["No configuration of this proof was run at this budget.", ""]
+            continue
+        lines += ["| config | saved ratio | fits | seeds | top-1 mean ± std | per seed | vs stock (paired) "
                   "| vs best uniform (paired) | p |",
                   "|---|---:|---|---|---:|---|---:|---:|---:|"]
         for r in data["rows"]:
