@@ -190,21 +190,19 @@ def plot_frontier(result: dict, path: Path) -> None:
     if "stock" in result:
         s = result["stock"]
         ax.errorbar([1.0], [s["mean"]], yerr=[s["std"]], fmt="k*", ms=10, label="stock")
-    drawn: set[str] = set()
+    rows = {r["config"]: r for data in result["budgets"].values() for r in data["rows"]}
+    colors = plt.cm.tab20.colors
+    for i, r in enumerate(rows.values()):
+        style = "o" if r["uniform"] else "*" if r["config"].startswith("search_") else "D"
+        ax.errorbar([r["ratio"]], [r["mean"]], yerr=[0 if math.isnan(r["std"]) else r["std"]], fmt=style,
+                    color=colors[i % len(colors)], ms=11 if style == "*" else 6, label=r["config"], capsize=3)
     for data in result["budgets"].values():
-        for r in data["rows"]:
-            if r["config"] in drawn:
-                continue
-            drawn.add(r["config"])
-            style = "o" if r["uniform"] else "D"
-            ax.errorbar([r["ratio"]], [r["mean"]], yerr=[0 if math.isnan(r["std"]) else r["std"]], fmt=style,
-                        label=r["config"], capsize=3)
         if not math.isnan(data["limit"]):
             ax.axvline(data["limit"], color="grey", lw=0.6, ls=":")
     ax.set_xlabel("saved-for-backward bytes / stock (batch 32)")
     ax.set_ylabel("final top-1 (%), mean ± std over seeds")
     ax.set_xscale("log")
-    ax.set_title("resnet20 CIFAR-10: o uniform, ◆ chosen map; dotted lines: budgets", fontsize=10)
+    ax.set_title("resnet20 CIFAR-10: o uniform, ◆ criterion's map, ★ searched map; dotted: budgets", fontsize=10)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
