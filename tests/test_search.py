@@ -77,13 +77,19 @@ class _PruneFromTrial1(optuna.pruners.BasePruner):
         return trial.number >= 1
 
 
-def test_accuracy_search_prunes_per_epoch(tmp_path, monkeypatch) -> None:
+def _pruning_sweep(tmp_path, monkeypatch, epochs: int):
+    """Two accuracy trials of ``epochs`` tiny epochs under a pruner that prunes trial 1 at once."""
     import lessmem.search.study as study_module
 
     monkeypatch.setattr(study_module, "make_pruner", lambda pcfg: _PruneFromTrial1())
     s = sweep(tmp_path, n_trials=2, mode="budget", objective="accuracy", budget=0.3,
               base_overrides=None, pruner={"name": "median"})
-    s.base_overrides = [*BASE, "epochs=2", "batch_size=32", "eval_batch_size=32", "memory_batch=4"]
+    s.base_overrides = [*BASE, f"epochs={epochs}", "batch_size=32", "eval_batch_size=32", "memory_batch=4"]
+    return s
+
+
+def test_accuracy_search_prunes_per_epoch(tmp_path, monkeypatch) -> None:
+    s = _pruning_sweep(tmp_path, monkeypatch, epochs=2)
     summary = run_search(s)
     assert summary["complete_trials"] == 1 and summary["pruned_trials"] == 1
     study = open_study(s, tmp_path / "s" / "study.journal")
@@ -100,13 +106,7 @@ def test_accuracy_search_prunes_per_epoch(tmp_path, monkeypatch) -> None:
 
 def test_a_trial_is_never_pruned_after_its_last_epoch(tmp_path, monkeypatch) -> None:
     """Pruning then saves nothing and would only throw a finished score away."""
-    import lessmem.search.study as study_module
-
-    monkeypatch.setattr(study_module, "make_pruner", lambda pcfg: _PruneFromTrial1())
-    s = sweep(tmp_path, n_trials=2, mode="budget", objective="accuracy", budget=0.3,
-              base_overrides=None, pruner={"name": "median"})
-    s.base_overrides = [*BASE, "epochs=1", "batch_size=32", "eval_batch_size=32", "memory_batch=4"]
-    summary = run_search(s)
+    summary = run_search(_pruning_sweep(tmp_path, monkeypatch, epochs=1))
     assert summary["complete_trials"] == 2 and summary["pruned_trials"] == 0
 
 
