@@ -75,9 +75,11 @@ def summarize(out: Path) -> dict:
             rows.append({"config": config, "home": home, "uniform": conv is not None, "seeds": seeds, "top1": top1,
                          "mean": statistics.fmean(top1), "std": statistics.stdev(top1) if len(top1) > 1 else math.nan,
                          "ratio": ratio, "fits": fits})
-        # The reference: the best uniform option among those run on every seed stock was (a config
-        # still missing seeds would be compared on fewer, luckier or unluckier, seeds).
-        uniform = [r for r in rows if r["uniform"] and r["fits"] and set(stock) <= set(r["seeds"])]
+        # The reference: the best uniform option among those run on the most seeds (a config still
+        # missing seeds would be ranked on fewer, luckier or unluckier, seeds).
+        fitting = [r for r in rows if r["uniform"] and r["fits"]]
+        most = max((len(r["seeds"]) for r in fitting), default=0)
+        uniform = [r for r in fitting if len(r["seeds"]) == most]
         best_uniform = max(uniform, key=lambda r: r["mean"]) if uniform else None
         for row in rows:
             row["vs_stock"] = _paired(row, {s: 100 * m["final_top1"] for s, m in stock.items()})
