@@ -93,7 +93,8 @@ def measure_menu(
             x, y = x.to(device), None if y is None else y.to(device)
             first = first if first is not None else x
             exact = _flat_grad(net, params, x, y, loss_fn, batch_no, hooks=(recorder, lossy_inputs))
-            recorder.finish_batch(float(exact.square().sum()))
+            norm2 = float(exact.square().sum())
+            recorder.finish_batch(norm2)
             if batch_no == 0:  # the exact-companion model's bytes: what every option is measured against
                 exact_total = measure_memory(net, x).total_bytes
             for kind, name, storage in probes:
@@ -103,7 +104,6 @@ def measure_menu(
                     probe_delta[(name, storage)] = measure_memory(net, x).total_bytes - exact_total
                 approx = _flat_grad(net, params, x, y, loss_fn, batch_no)
                 sq_err, dot, cos = _error_terms(exact, approx)
-                norm2 = float(exact.square().sum())
                 probe_stats.setdefault((name, storage), []).append(
                     (sq_err / norm2, dot / norm2, cos) if norm2 > 0 else (0.0, 0.0, 1.0))
             compress(net, None)

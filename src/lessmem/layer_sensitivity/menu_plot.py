@@ -1,5 +1,5 @@
 """Heat maps of a menu measurement: per item x option, the whole-gradient error (log scale), one
-panel for conv inputs and one for BatchNorm / activation inputs."""
+panel for layer inputs (conv, token linear) and one for BatchNorm / activation inputs."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from lessmem.layer_sensitivity.menu import MAP_KINDS
 
 if TYPE_CHECKING:
     from lessmem.layer_sensitivity.menu import MenuResult
@@ -19,8 +21,7 @@ def plot_menu(result: MenuResult, path: str | Path, title: str) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    mapped = ("conv", "linear")
-    panels = [[i for i in result.items if i.kind in mapped], [i for i in result.items if i.kind not in mapped]]
+    panels = [[i for i in result.items if i.kind in MAP_KINDS], [i for i in result.items if i.kind not in MAP_KINDS]]
     panels = [p for p in panels if p]
     widths = [len(p[0].options) for p in panels]
     height = 1.6 + 0.28 * max(len(p) for p in panels)
@@ -33,7 +34,7 @@ def plot_menu(result: MenuResult, path: str | Path, title: str) -> Path:
         im = ax.imshow(np.log10(grid), cmap="magma_r", vmin=math.log10(floor), vmax=0.0, aspect="auto")
         ax.set_xticks(range(len(options)), options, rotation=90, fontsize=7)
         ax.set_yticks(range(len(items)), [i.name for i in items], fontsize=7)
-        ax.set_xlabel("layer input: kernel / storage" if items[0].kind in mapped else "input storage", fontsize=8)
+        ax.set_xlabel("layer input: kernel / storage" if items[0].kind in MAP_KINDS else "input storage", fontsize=8)
     fig.colorbar(im, ax=axes[0].tolist(), label="log10 whole-gradient relative error")
     fig.suptitle(title, fontsize=9)
     path = Path(path)

@@ -14,6 +14,7 @@ import optuna
 from omegaconf import DictConfig
 
 from lessmem.reporting import pyplot, save_figure
+from lessmem.search.trial_rows import last_report
 
 FIELDS = ["trial", "seed", "state", "pruned_at_epoch", "ratio", "criterion", "score", "same_as", "map_file"]
 
@@ -23,10 +24,10 @@ def menu_rows(study: optuna.Study) -> list[dict[str, Any]]:
     rows = []
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     for t in study.get_trials(deepcopy=False, states=states):
-        a, steps = t.user_attrs, t.intermediate_values
+        a = t.user_attrs
         pruned = t.state == optuna.trial.TrialState.PRUNED
-        last = max(steps) if steps else None
-        score = a.get("score") if not pruned else (steps[last] if last is not None else None)
+        last, value = last_report(t)
+        score = value if pruned else a.get("score")
         rows.append({"trial": t.number, "seed": a.get("seed", ""), "state": "pruned" if pruned else "complete",
                      "pruned_at_epoch": last if pruned and last is not None else "",
                      "ratio": a.get("ratio"), "criterion": a.get("criterion"), "score": score,

@@ -26,15 +26,24 @@ def pruned_rows(study: optuna.Study) -> list[dict[str, Any]]:
     """Pruned trials: ``score`` is their last reported value, at epoch ``pruned_at_epoch``."""
     rows = []
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.PRUNED,)):
-        a, steps = t.user_attrs, t.intermediate_values
-        last = max(steps) if steps else None
+        a = t.user_attrs
+        last, value = last_report(t)
         rows.append({"trial": t.number, "seed": a.get("seed", ""), "conv_input_bytes": a.get("conv_input_bytes", ""),
                      "state": "pruned", "pruned_at_epoch": last if last is not None else "",
-                     "score": steps[last] if last is not None else "", "mean_cosine": a.get("mean_cosine", ""),
+                     "score": value if value is not None else "", "mean_cosine": a.get("mean_cosine", ""),
                      "feasible": all(c <= 0 for c in a.get("constraint", [0.0])),
                      "params": _params(t), "config": a.get("config", ""), "map": a.get("map", {}),
                      "rerun": a.get("rerun", "")})
     return rows
+
+
+def last_report(t: optuna.trial.FrozenTrial) -> tuple[int | None, float | None]:
+    """(epoch, value) of the trial's last intermediate report; (None, None) before any."""
+    steps = t.intermediate_values
+    if not steps:
+        return None, None
+    last = max(steps)
+    return last, steps[last]
 
 
 def _params(t: optuna.trial.FrozenTrial) -> str:
