@@ -17,7 +17,7 @@ from pathlib import Path
 
 from proof_summary import schedule
 
-from lessmem.layer_sensitivity import MenuResult, read_map_yaml
+from lessmem.sensitivity import MenuResult, read_map_yaml
 
 # criterion -> (label, +1 if larger predicts higher accuracy, log axis)
 CRITERIA = {

@@ -12,7 +12,7 @@ import argparse
 import copy
 from pathlib import Path
 
-from lessmem.layer_sensitivity import MenuResult, write_map_yaml
+from lessmem.sensitivity import MenuResult, write_map_yaml
 
 
 def kernel_only(result: MenuResult) -> MenuResult:

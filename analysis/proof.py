@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 from jobs import REPO, Job, schedule, train_job
 
-from lessmem.layer_sensitivity import MenuResult
+from lessmem.sensitivity import MenuResult
 
 MENU = REPO / "docs" / "results" / "criterion_check" / "menu" / "menu.json"
 

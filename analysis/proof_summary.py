@@ -16,7 +16,7 @@ from pathlib import Path
 
 from proof import CONFIGS, MENU, search_budgets
 
-from lessmem.layer_sensitivity import MenuResult
+from lessmem.sensitivity import MenuResult
 
 BUDGETS = {"2x2": "uniform 2x2's bytes", "4x4": "uniform 4x4's bytes", "0.15": "0.15x stock"}
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from lessmem.layer_sensitivity import measure_menu, write_map_yaml
+from lessmem.sensitivity import measure_menu, write_map_yaml
 from lessmem.models import build_model
 
 ANALYSIS = Path(__file__).parents[1] / "analysis"

@@ -15,7 +15,7 @@ from test_sensitivity import batches, tiny_cnn
 import lessmem
 from lessmem.core import load_rounding_state, rounding_state
 from lessmem.experiment.compression import resolve_compression
-from lessmem.layer_sensitivity import (
+from lessmem.sensitivity import (
     MenuItem,
     MenuResult,
     measure_menu,

@@ -129,7 +129,7 @@ def _menu_sweep(tmp_path, **over):
 
     from lessmem.experiment import build_model_from_cfg, compose_config
     from lessmem.experiment.data import fixed_batches
-    from lessmem.layer_sensitivity import measure_menu
+    from lessmem.sensitivity import measure_menu
 
     base = [*BASE, "epochs=1", "batch_size=32", "eval_batch_size=32", "memory_batch=4"]
     cfg = compose_config(base)

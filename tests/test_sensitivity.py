@@ -1,4 +1,4 @@
-"""lessmem.layer_sensitivity: one stock backward predicts every compressed weight gradient."""
+"""lessmem.sensitivity: one stock backward predicts every compressed weight gradient."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from PIL import Image
 from torch import nn
 
 import lessmem
-from lessmem.layer_sensitivity import SensitivityResult, sensitivity, write_map_yaml
+from lessmem.sensitivity import SensitivityResult, sensitivity, write_map_yaml
 
 
 class Block(nn.Module):

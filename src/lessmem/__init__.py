@@ -20,7 +20,7 @@ from lessmem.core import (
     track_step_memory,
     uncompress,
 )
-from lessmem.layer_sensitivity import SensitivityResult, sensitivity
+from lessmem.sensitivity import SensitivityResult, sensitivity
 
 __version__ = "0.1.0"
 __all__ = [

@@ -1,5 +1,5 @@
 """``lessmem-sensitivity [hydra overrides] [sensitivity.KEY=VALUE ...]``: measure the per-layer
-weight-gradient fidelity of a configured model (``lessmem.layer_sensitivity``) and write the
+weight-gradient fidelity of a configured model (``lessmem.sensitivity``) and write the
 table, heat map and a generated compression map.
 
 ``sensitivity.menu=true`` measures the whole compressor menu instead (pooling kernel x storage
@@ -27,7 +27,7 @@ from lessmem.experiment import (
     load_checkpoint,
     task_of,
 )
-from lessmem.layer_sensitivity import (
+from lessmem.sensitivity import (
     CRITERIA,
     DEFAULT_CRITERION,
     DEFAULT_KERNELS,

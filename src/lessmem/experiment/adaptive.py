@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from lessmem.core import measure_memory, uncompress
 from lessmem.experiment.compression import apply_adapted, resolve_compression
-from lessmem.layer_sensitivity import DEFAULT_CRITERION, append_history, measure_menu, sensitivity
+from lessmem.sensitivity import DEFAULT_CRITERION, append_history, measure_menu, sensitivity
 
 log = logging.getLogger(__name__)
 

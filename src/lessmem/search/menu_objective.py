@@ -21,7 +21,7 @@ from pathlib import Path
 import optuna
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lessmem.layer_sensitivity import MapChoice, MenuResult, write_map_yaml
+from lessmem.sensitivity import MapChoice, MenuResult, write_map_yaml
 from lessmem.search.objective import train_trial
 
 WEIGHT_RANGE = (-2.0, 2.0)  # a unit's criterion scaled by 0.14x .. 7.4x

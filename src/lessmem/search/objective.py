@@ -23,7 +23,7 @@ import optuna
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lessmem.experiment import run
-from lessmem.layer_sensitivity import SensitivityResult, group_layers, write_map_yaml
+from lessmem.sensitivity import SensitivityResult, group_layers, write_map_yaml
 
 
 def param_name(unit: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 import optuna
 from omegaconf import DictConfig
 
-from lessmem.layer_sensitivity import SensitivityResult, write_map_yaml
+from lessmem.sensitivity import SensitivityResult, write_map_yaml
 from lessmem.reporting import pareto_front
 from lessmem.search.plot import plot_pareto
 from lessmem.search.trial_rows import pruned_rows, trial_rows

@@ -11,7 +11,7 @@ import optuna
 from omegaconf import DictConfig, OmegaConf
 
 from lessmem.experiment import compose_config
-from lessmem.layer_sensitivity import MenuResult
+from lessmem.sensitivity import MenuResult
 from lessmem.search.menu_objective import MenuObjective
 from lessmem.search.menu_report import write_menu_report
 from lessmem.search.objective import Objective, param_name, seed_maps

@@ -11,7 +11,7 @@ import torch
 from omegaconf import DictConfig
 
 from lessmem.experiment import build_model_from_cfg, fixed_batches, load_checkpoint, task_of
-from lessmem.layer_sensitivity import SensitivityResult, sensitivity
+from lessmem.sensitivity import SensitivityResult, sensitivity
 
 
 def study_sensitivity(sweep: DictConfig, base: DictConfig, out_dir: Path) -> SensitivityResult:

@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lessmem.layer_sensitivity import CRITERIA, DEFAULT_CRITERION
+from lessmem.sensitivity import CRITERIA, DEFAULT_CRITERION
 
 DEFAULTS: dict[str, Any] = {
     "study_name": "lessmem_search",

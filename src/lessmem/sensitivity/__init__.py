@@ -3,11 +3,11 @@ choice, measured from one stock forward/backward per batch (kernels: ``sensitivi
 kernel x storage menu with the whole-gradient criterion: ``measure_menu``), and the maps chosen
 from it (torch only)."""
 
-from lessmem.layer_sensitivity.geometry import conv_layers
-from lessmem.layer_sensitivity.groups import group_layers
-from lessmem.layer_sensitivity.io import append_history, read_map_yaml, write_map_yaml
-from lessmem.layer_sensitivity.measure import DEFAULT_KERNELS, sensitivity
-from lessmem.layer_sensitivity.menu import (
+from lessmem.sensitivity.geometry import conv_layers
+from lessmem.sensitivity.groups import group_layers
+from lessmem.sensitivity.io import append_history, read_map_yaml, write_map_yaml
+from lessmem.sensitivity.measure import DEFAULT_KERNELS, sensitivity
+from lessmem.sensitivity.menu import (
     CRITERIA,
     DEFAULT_CRITERION,
     MapChoice,
@@ -15,8 +15,8 @@ from lessmem.layer_sensitivity.menu import (
     MenuResult,
     option_name,
 )
-from lessmem.layer_sensitivity.menu_measure import LOSSY_STORAGES, measure_menu
-from lessmem.layer_sensitivity.result import SensitivityResult
+from lessmem.sensitivity.menu_measure import LOSSY_STORAGES, measure_menu
+from lessmem.sensitivity.result import SensitivityResult
 
 __all__ = [
     "CRITERIA",

@@ -7,10 +7,10 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from lessmem.layer_sensitivity.groups import group_layers
+from lessmem.sensitivity.groups import group_layers
 
 if TYPE_CHECKING:
-    from lessmem.layer_sensitivity.result import SensitivityResult
+    from lessmem.sensitivity.result import SensitivityResult
 
 log = logging.getLogger(__name__)
 

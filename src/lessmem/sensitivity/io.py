@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lessmem.layer_sensitivity.result import SensitivityResult
+from lessmem.sensitivity.result import SensitivityResult
 
 StorageRule = str | Mapping[str, str]
 

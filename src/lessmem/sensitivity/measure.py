@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lessmem.layer_sensitivity.geometry import SensitivityLayer, sensitivity_layers
-from lessmem.layer_sensitivity.recorder import GradientRecorder
-from lessmem.layer_sensitivity.result import SensitivityResult
+from lessmem.sensitivity.geometry import SensitivityLayer, sensitivity_layers
+from lessmem.sensitivity.recorder import GradientRecorder
+from lessmem.sensitivity.result import SensitivityResult
 
 DEFAULT_KERNELS = (1, 2, 4, 8)
 Batch = Tensor | tuple[Tensor, Tensor] | list[Tensor]

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from lessmem.core import first_match, parse_spec
-from lessmem.layer_sensitivity.knapsack import least_value_choice
+from lessmem.sensitivity.knapsack import least_value_choice
 
 CRITERIA = ("grad_error", "loss_change", "cosine")
 # The criterion make_map uses unless told otherwise: the one whose ranking of trained maps matched
@@ -214,7 +214,7 @@ class MenuResult:
         menu.png (the whole-gradient error of every option)."""
         import csv
 
-        from lessmem.layer_sensitivity.menu_plot import plot_menu
+        from lessmem.sensitivity.menu_plot import plot_menu
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """Measure the whole compressor menu (pooling kernel x storage for conv inputs, storage for
-BatchNorm and GELU / SiLU inputs) of a model on a few batches (``lessmem.layer_sensitivity.menu``).
+BatchNorm and GELU / SiLU inputs) of a model on a few batches (``lessmem.sensitivity.menu``).
 
 Per batch: one exact forward/backward (exact companions, bit-identical to stock) whose conv
 hooks recompute each conv's weight gradient from its input pooled and stored every way the menu
@@ -28,20 +28,20 @@ from lessmem.core import (
     storable_layers,
     stored_bytes,
 )
-from lessmem.layer_sensitivity.geometry import (
+from lessmem.sensitivity.geometry import (
     SensitivityLayer,
     TokenLinearLayer,
     sensitivity_layers,
 )
-from lessmem.layer_sensitivity.measure import (
+from lessmem.sensitivity.measure import (
     DEFAULT_KERNELS,
     Batch,
     _default_loss,
     _progress,
     _split,
 )
-from lessmem.layer_sensitivity.menu import MenuItem, MenuResult, option_name
-from lessmem.layer_sensitivity.recorder import (
+from lessmem.sensitivity.menu import MenuItem, MenuResult, option_name
+from lessmem.sensitivity.recorder import (
     _linear_weight_grad,
     _weight_grad,
     pooled_numel,

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lessmem.layer_sensitivity.menu import MAP_KINDS
+from lessmem.sensitivity.menu import MAP_KINDS
 
 if TYPE_CHECKING:
-    from lessmem.layer_sensitivity.menu import MenuResult
+    from lessmem.sensitivity.menu import MenuResult
 
 
 def plot_menu(result: MenuResult, path: str | Path, title: str) -> Path:

@@ -30,7 +30,7 @@ from lessmem.core import (
     tensor_meta,
     unpack_tensor,
 )
-from lessmem.layer_sensitivity.geometry import ConvLayer, SensitivityLayer, TokenLinearLayer
+from lessmem.sensitivity.geometry import ConvLayer, SensitivityLayer, TokenLinearLayer
 
 
 def _weight_grad(layer: ConvLayer, grad_out: Tensor, x: Tensor) -> Tensor:

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from lessmem.layer_sensitivity.greedy import greedy_map
-from lessmem.layer_sensitivity.plot import plot_heatmap
+from lessmem.sensitivity.greedy import greedy_map
+from lessmem.sensitivity.plot import plot_heatmap
 
 
 @dataclass
@@ -98,7 +98,7 @@ class SensitivityResult:
         groups: Sequence[str] | None = None,
     ) -> dict[str, int]:
         """The greedy per-layer map within ``budget_bytes`` and/or above ``min_cosine``
-        (``lessmem.layer_sensitivity.greedy``)."""
+        (``lessmem.sensitivity.greedy``)."""
         if budget_bytes is None and min_cosine is None:
             raise ValueError("make_map needs budget_bytes and/or min_cosine")
         return greedy_map(self, self._budget(budget_bytes), min_cosine, groups)
