@@ -24,6 +24,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from per_layer import per_layer_memory
 
 from lessmem import reporting as R
 
@@ -82,7 +83,7 @@ def per_layer_section(results: Path, docs: Path, measure: bool, batch: int) -> l
     if not cache.is_file():
         if not measure:
             return [f"*Pending: `{rel(cache, REPO)}` missing (run without `--no-measure`).*", ""]
-        rows = R.per_layer_memory("resnet18", {"*": 2}, batch=batch, size=224)
+        rows = per_layer_memory("resnet18", {"*": 2}, batch=batch, size=224)
         with cache.open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=["block", "stock_bytes", "compressed_bytes"])
             w.writeheader()

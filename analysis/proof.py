@@ -74,9 +74,9 @@ def search_dir(out: Path, ratio: float) -> Path:
 def search_job(out: Path, budget: str, ratio: float, menu: Path, n_trials: int) -> Job:
     """The Optuna menu search at one budget; its best map trains as ``search_<budget>``."""
     folder = search_dir(out, ratio)
-    argv = [sys.executable, "-m", "lessmem.cli.search", "--config", str(REPO / "sweeps" / "menu_resnet20.yaml"),
+    argv = [sys.executable, "-m", "lessmem.cli.search", "-cd", str(REPO / "sweeps"), "-cn", "menu_resnet20",
             f"budget={ratio:.4g}", f"study_name=menu_resnet20_b{ratio:.4g}", f"out_dir={folder}",
-            f"menu={menu}", f"n_trials={n_trials}"]
+            f"menu_file={menu}", f"n_trials={n_trials}"]
     return Job(f"search_{budget}", argv, folder / "summary.json")
 
 

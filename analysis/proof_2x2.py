@@ -26,8 +26,8 @@ def sensitivity_job(out: Path, epoch: int, common: list[str], deps: list[str]) -
     ckpt = out / "runs" / "stock" / "seed0" / f"checkpoint_epoch{epoch}.pt"
     dest = out / "sensitivity" / f"epoch{epoch}"
     argv = [sys.executable, "-m", "lessmem.cli.sensitivity", *common, "seed=0",
-            "sensitivity.batches=4", "sensitivity.batch_size=128", "sensitivity.budget=0.25",
-            "sensitivity.kernels=[1,2,4,8]", f"sensitivity.out={dest}",
+            "menu=kernels", "sensitivity.batches=4", "sensitivity.batch_size=128", "sensitivity.budget=0.6",
+            f"sensitivity.out={dest}",
             f"sensitivity.map_out={dest / 'greedy_map.yaml'}"]
     if epoch > 0:
         argv.append(f"sensitivity.checkpoint={ckpt}")
@@ -37,7 +37,7 @@ def sensitivity_job(out: Path, epoch: int, common: list[str], deps: list[str]) -
 def search_job(out: Path, common: list[str], n_trials: int, deps: list[str]) -> Job:
     ckpt = out / "runs" / "stock" / "seed0" / "checkpoint_epoch1.pt"
     base = [*common, "dataset.train_subset=10000", "dataset.val_subset=2000", "epochs=2", "seed=0"]
-    argv = [sys.executable, "-m", "lessmem.cli.search", "--config", str(REPO / "sweeps" / "proof_resnet20.yaml"),
+    argv = [sys.executable, "-m", "lessmem.cli.search", "-cd", str(REPO / "sweeps"), "-cn", "proof_resnet20",
             f"out_dir={out / 'search'}", f"n_trials={n_trials}",
             f"sensitivity.checkpoint={ckpt}", f"base_overrides={json.dumps(base)}"]
     return Job("search", argv, out / "search" / "summary.json", deps)
@@ -45,9 +45,7 @@ def search_job(out: Path, common: list[str], n_trials: int, deps: list[str]) -> 
 
 def best_map_file(out: Path) -> Path:
     summary = json.loads((out / "search" / "summary.json").read_text())
-    trial = summary.get("best_feasible")
-    if trial is None:
-        raise RuntimeError("the search found no map within the budget")
+    trial = summary["best"]["trial"]
     return out / "search" / "trials" / f"{trial:04d}" / "compression.yaml"
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from lessmem.sensitivity import measure_menu, write_map_yaml
 from lessmem.models import build_model
+from lessmem.sensitivity import measure_menu, write_map_yaml
 
 ANALYSIS = Path(__file__).parents[1] / "analysis"
 

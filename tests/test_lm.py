@@ -24,8 +24,8 @@ from lessmem.experiment.data.blocks import RandomBlockLoader, SequentialBlockLoa
 from lessmem.experiment.data.text import stdlib_text, text_files
 from lessmem.experiment.task import TokenCrossEntropy
 from lessmem.experiment.train import TIME_KEYS, run
-from lessmem.sensitivity import sensitivity
 from lessmem.models import build_model
+from lessmem.sensitivity import sensitivity
 
 pytest.importorskip("transformers")
 

@@ -1,7 +1,8 @@
 """lessmem: train neural networks with compressed activations.
 
 The library (torch only): ``compress``, ``uncompress``, ``measure_memory`` (saved-for-backward
-bytes), ``measure_step_memory`` (whole-step peak), ``coverage`` and ``sensitivity`` below. The
+bytes), ``measure_step_memory`` (whole-step peak), ``coverage`` and ``measure_menu``
+(every compression choice's bytes and gradient error; ``MenuResult.make_map`` picks a map) below. The
 experiment framework (Hydra, Optuna, W&B) is built on it in ``lessmem.experiment``, ``lessmem.search``, ``lessmem.reporting`` and ``lessmem.cli``; see
 docs/architecture.md for the layers and the one direction their imports run.
 """
@@ -20,22 +21,22 @@ from lessmem.core import (
     track_step_memory,
     uncompress,
 )
-from lessmem.sensitivity import SensitivityResult, sensitivity
+from lessmem.sensitivity import MenuResult, measure_menu
 
 __version__ = "0.1.0"
 __all__ = [
     "CoverageReport",
     "LayerSpec",
     "MemoryReport",
-    "SensitivityResult",
+    "MenuResult",
     "StepMemoryReport",
     "compress",
     "compressed_layers",
     "compressible_layers",
     "coverage",
     "measure_memory",
+    "measure_menu",
     "measure_step_memory",
-    "sensitivity",
     "track_step_memory",
     "uncompress",
 ]

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 
 import optuna
 from optuna.samplers import BaseSampler, GridSampler, RandomSampler, TPESampler
-from optuna.storages import BaseStorage, JournalStorage
-from optuna.storages.journal import JournalFileBackend
 from optuna.trial import Trial, TrialState
 
 from hydra_plugins.lessmem_optuna_sweeper._search_space import SearchSpace
 from hydra_plugins.lessmem_optuna_sweeper._settings import SweepSettings
+from lessmem.search import study as study_layer
+from lessmem.search.storage import make_storage
 
 log = logging.getLogger(__name__)
 
@@ -29,25 +28,14 @@ def make_sampler(name: str, seed: int | None, space: SearchSpace) -> BaseSampler
     return TPESampler(seed=seed)
 
 
-def make_storage(storage: str | None) -> str | BaseStorage | None:
-    """None: in memory; ``dialect://...``: an RDB URL; anything else: a journal file path."""
-    if storage is None or "://" in storage:
-        return storage
-    Path(storage).parent.mkdir(parents=True, exist_ok=True)
-    return JournalStorage(JournalFileBackend(storage))
-
-
 def open_study(settings: SweepSettings, sampler: BaseSampler) -> optuna.Study:
-    """Creates the study or loads it (same storage and study_name), then queues again the trials
-    an interrupted sweep left running. One sweep per study at a time: a RUNNING trial is taken
-    to be a dead one."""
-    study = optuna.create_study(storage=make_storage(settings.storage), sampler=sampler,
-                                study_name=settings.study_name,
-                                directions=list(settings.directions), load_if_exists=True)
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        tell(study, trial.number, TrialState.FAIL)
-        study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
-        log.info("Trial %d was interrupted: queued again", trial.number)
+    """Creates the study or resumes it (same storage and study_name), trials an interrupted sweep
+    left running queued again (``lessmem.search``'s study layer). One sweep per study at a time:
+    a RUNNING trial is taken to be a dead one."""
+    study, _ = study_layer.open_study(settings.study_name, make_storage(settings.storage), sampler,
+                                      settings.directions)
+    for number in study_layer.fail_interrupted(study):
+        log.info("Trial %d was interrupted: queued again", number)
     return study
 
 

@@ -1,42 +1,39 @@
-"""``lessmem-search``: an Optuna search over compression maps from a sweep file (resumable)."""
+"""``lessmem-search -cd sweeps -cn <search> [key=value ...]``: an Optuna search over compression
+maps (``lessmem.search``), resumed by rerunning the same command. The config is a search config
+(``defaults: [search, _self_]``, e.g. ``sweeps/menu_resnet20.yaml``); there is no default search."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import sys
-from collections.abc import Sequence
-from pathlib import Path
 
+import hydra
 import optuna
+from omegaconf import DictConfig
 
-from lessmem.search import DEFAULTS, load_sweep, run_search
+from lessmem.cli.errors import hydra_entry
+from lessmem.experiment import conf_dir
+from lessmem.search import run_search
+
+PROG = "lessmem-search"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="lessmem-search",
-        description="Optuna search over compression maps (resumable). Extra KEY=VALUE arguments "
-                    f"override the sweep file; keys: {', '.join(sorted(DEFAULTS))}.")
-    parser.add_argument("--config", help="sweep YAML, e.g. sweeps/fidelity_resnet18_cifar.yaml")
-    parser.add_argument("--worker", action="store_true",
-                        help="one of several processes sharing the study: start the same command "
-                             "N times (any hosts); together they finish exactly n_trials")
-    parser.add_argument("overrides", nargs="*", help="KEY=VALUE, e.g. n_trials=80 out_dir=/tmp/s")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+@hydra.main(config_path=str(conf_dir()), config_name=None, version_base="1.3")
+def _search(cfg: DictConfig) -> None:
+    if "study_name" not in cfg:
+        raise ValueError("no search config; name one: lessmem-search -cd sweeps -cn <name> "
+                         "(a config with `defaults: [search, _self_]`)")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
-        sweep = load_sweep(args.config, args.overrides)
-        summary = run_search(sweep, worker=args.worker)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        print(f"lessmem-search: error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps({k: v for k, v in summary.items() if k != "pareto"}, indent=1))
-    print(f"report: {summary.get('report') or Path(sweep.out_dir) / 'pareto.md'}")
-    return 0
+    logging.getLogger("lessmem").setLevel(logging.INFO)
+    summary = run_search(cfg)
+    print(json.dumps(summary, indent=1))
+    print(f"report: {summary['report']}")
+
+
+def main() -> None:
+    """``lessmem-search``: bad settings or a missing config end with one error line, exit 2."""
+    hydra_entry(PROG, _search)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -1,11 +1,11 @@
 """Adaptive compression schedule: re-choose the map during training from measurements on the
 current weights (GACT re-estimates its bit allocation the same way, every N steps).
 
-Two modes. Kernels (default): every conv's weight-gradient fidelity per pooling kernel, kernels
-re-assigned greedily within ``budget`` (conv-input bytes, fraction of uncompressed). Menu
-(``adaptive.menu=true``): the whole compressor menu re-measured (conv pooling x storage,
-BatchNorm / GELU / SiLU storages) and map plus storages chosen by the menu knapsack on
-``criterion`` within ``budget`` (total saved bytes, fraction of stock).
+The menu (conv pooling ``kernels`` x ``storages``, BatchNorm ``norm_storages``, GELU / SiLU
+``act_storages``) is
+re-measured and map plus storages chosen by the menu knapsack on ``criterion`` within ``budget``
+(total saved bytes, fraction of stock); ``storages: [native]`` and no norm / act storages
+re-choose pooling kernels alone.
 
 The choice in force is ``{"map", "norm_storage", "act_storage"}``: checkpoints carry it and
 resume re-applies it. Deterministic, so every DDP rank arrives at the same choice.
@@ -24,8 +24,8 @@ from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from lessmem.core import measure_memory, uncompress
-from lessmem.experiment.compression import apply_adapted, resolve_compression
-from lessmem.sensitivity import DEFAULT_CRITERION, append_history, measure_menu, sensitivity
+from lessmem.experiment.compression import apply_adapted
+from lessmem.sensitivity import DEFAULT_CRITERION, measure_menu
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,7 @@ def adapt_compression(net: nn.Module, probe: tuple[Tensor, Tensor], acfg: Any, c
     batch = [(probe[0].to(device), probe[1].to(device))]
     was_training = net.training
     net.train()
-    if acfg.get("menu"):
-        adapted, change = _menu_choice(net, batch, acfg, loss_fn)
-    else:
-        adapted, change = _kernel_choice(net, batch, acfg, cfg, loss_fn, out_dir if is_main else None, epoch)
+    adapted, change = _menu_choice(net, batch, acfg, loss_fn)
     apply_adapted(net, adapted, cfg)
     # Measured in train mode, as training runs it (after an evaluation the net is in eval mode).
     change = {"epoch": epoch, **change, "saved_bytes": measure_memory(net, x_memory.to(device)).total_bytes}
@@ -56,31 +53,13 @@ def adapt_compression(net: nn.Module, probe: tuple[Tensor, Tensor], acfg: Any, c
     return adapted
 
 
-def _kernel_choice(net: nn.Module, batch: list[tuple[Tensor, Tensor]], acfg: Any, cfg: DictConfig,
-                   loss_fn: Callable[[Tensor, Tensor], Tensor], history_dir: Path | None,
-                   epoch: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    result = sensitivity(net, batch, kernels=[int(k) for k in acfg.get("kernels", (1, 2, 4, 8))], loss_fn=loss_fn)
-    budget = acfg.get("budget")
-    mapping = result.make_map(None if budget is None else float(budget), acfg.get("min_cosine"))
-    if history_dir is not None:
-        append_history(result, history_dir / "sensitivity.csv", step=epoch, epoch=epoch)
-    base = resolve_compression(cfg.compression)
-    adapted = {"map": mapping, "norm_storage": base.norm_storage, "act_storage": base.act_storage}
-    return adapted, {"conv_input_bytes": result.saved_bytes(mapping),
-                     "conv_input_bytes_uncompressed": result.baseline_bytes(),
-                     "mean_grad_cosine": result.mean_cosine(mapping),
-                     "map": {n: k for n, k in mapping.items() if k != 1}}
-
-
 def _menu_choice(model: nn.Module, batch: list[tuple[Tensor, Tensor]], acfg: Any,
                  loss_fn: Callable[[Tensor, Tensor], Tensor]) -> tuple[dict[str, Any], dict[str, Any]]:
     # The menu is measured on stock layers carrying the current weights (a copy: the run's model
     # keeps its compressed layers and optimizer state).
     stock = uncompress(copy.deepcopy(model)).train()
-    lossy = [str(s) for s in acfg.get("norm_storages", ("bf16", "int8", "int4", "int2"))]
-    menu = measure_menu(stock, batch, kernels=[int(k) for k in acfg.get("kernels", (1, 2, 4, 8))],
-                        storages=[str(s) for s in acfg.get("storages", ("native", "bf16", "int8", "int4", "int2"))],
-                        norm_storages=lossy, act_storages=lossy, loss_fn=loss_fn)
+    menu = measure_menu(stock, batch, [int(k) for k in acfg.kernels], [str(s) for s in acfg.storages],
+                        [str(s) for s in acfg.norm_storages], [str(s) for s in acfg.act_storages], loss_fn)
     criterion = str(acfg.get("criterion") or DEFAULT_CRITERION)
     choice = menu.make_map(float(acfg.get("budget")), criterion)
     adapted = {"map": choice.map, "norm_storage": choice.norm_storage, "act_storage": choice.act_storage}

@@ -7,7 +7,6 @@ W&B ``Table``. The CLI scripts live in ``analysis/``.
 
 from lessmem.reporting.directory import report_dir
 from lessmem.reporting.pareto import pareto_front
-from lessmem.reporting.per_layer import per_layer_memory
 from lessmem.reporting.plots import (
     plot_accuracy_curves,
     plot_per_layer,
@@ -33,7 +32,6 @@ __all__ = [
     "log_wandb",
     "markdown_table",
     "pareto_front",
-    "per_layer_memory",
     "plot_accuracy_curves",
     "plot_per_layer",
     "plot_ratio_bars",

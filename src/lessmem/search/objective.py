@@ -1,21 +1,21 @@
-"""One trial: a kernel map from Optuna's suggestions -> a composed config on disk -> (bytes, score).
+"""Trials of a search: per-layer maps over the menu (pooling x storage for conv inputs, storages
+for BatchNorm / activation inputs; kernel-only with the ``menu=kernels`` group) at a budget of
+total saved bytes, scored by a short training run.
 
-Objectives (both also minimize the conv-input bytes kept for backward):
-  fidelity  maximize the mean weight-gradient cosine over conv layers. No training: it is read
-            from the study's SensitivityResult. Valid because the input gradient is exact under
-            compression, so each layer's output gradient, and hence its compressed weight
-            gradient, does not depend on the other layers' kernels.
-  accuracy  maximize validation top-1 after a short ``lessmem.experiment.train.run``.
-
-Memory is counted per layer from the same SensitivityResult (shared inputs stored once, as the
-core does); its differences between maps equal those of ``lessmem.core.measure_memory`` (tested).
-Every trial writes its composed train config and its map, so it can be re-run as a plain
-``lessmem-train`` run.
+A random per-layer choice almost never fits a tight budget, so Optuna does not pick options
+directly: it picks one log-weight per unit (a conv group reading one tensor, a BatchNorm or an
+activation input), and the trial's map is the menu knapsack's answer with each unit's criterion
+values scaled by ``exp(weight)``. Every trial therefore fits the budget and spends it, and the
+search explores which layers the criterion under- or over-rates. All weights 0 is the
+criterion's own map (enqueued first, labelled ``knapsack``). A map an earlier trial already
+trained is not trained again: the trial takes that score (``same_as``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import hashlib
+import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -23,81 +23,76 @@ import optuna
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lessmem.experiment import run
-from lessmem.sensitivity import SensitivityResult, group_layers, write_map_yaml
+from lessmem.sensitivity import MapChoice, MenuResult, write_map_yaml
+
+WEIGHT_RANGE = (-2.0, 2.0)  # a unit's criterion scaled by 0.14x .. 7.4x
 
 
-def param_name(unit: str) -> str:
-    """The Optuna parameter of a layer or group's kernel."""
-    return f"k:{unit}"
+def weight_param(unit: str) -> str:
+    """The Optuna parameter of a unit's log-weight."""
+    return f"w:{unit}"
 
 
-def suggest_map(trial: optuna.Trial, units: Mapping[str, list[str]], kernels: Sequence[int]) -> dict[str, int]:
-    kmap: dict[str, int] = {}
-    for unit, layers in units.items():
-        k = trial.suggest_categorical(param_name(unit), list(kernels))
-        kmap.update(dict.fromkeys(layers, int(k)))
-    return kmap
-
-
-def seed_maps(result: SensitivityResult, units: Mapping[str, list[str]], sweep: DictConfig) -> dict[str, dict[str, int]]:
-    """Uniform 1/2/4 maps and the greedy sensitivity map, as unit -> kernel params."""
-    seeds = {f"uniform_{k}": dict.fromkeys(units, k) for k in (1, 2, 4) if k in sweep.kernels}
-    greedy = result.make_map(budget_bytes=float(sweep.seed_sensitivity_budget), groups=sweep.groups)
-    seeds["sensitivity"] = {u: greedy[layers[0]] for u, layers in units.items()}
-    return seeds
-
-
-def trial_config(base: DictConfig, kmap: Mapping[str, int], name: str, out_dir: Path) -> DictConfig:
-    """The composed train config with the trial's map put into ``compression.map`` (a dict is
-    awkward as an override string, so it is set through OmegaConf)."""
-    cfg = base.copy()
-    with open_dict(cfg):
-        cfg.compression.map = {str(k): int(v) for k, v in kmap.items()}
-        cfg.compression.map_file = None
-        cfg.compression.name = name
-        cfg.compression.norm_storage = "native"
-        cfg.compression.exact_companions = True
-        cfg.out_dir = str(out_dir)
-    return cfg
+def map_key(choice: MapChoice) -> str:
+    """Equal maps, equal keys (the trial-reuse check)."""
+    text = json.dumps([choice.map, choice.norm_storage, choice.act_storage], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 class Objective:
-    """One trial: map -> composed config on disk -> (bytes, score)."""
+    """One trial: unit weights -> the knapsack's map at the budget -> map file -> trained score."""
 
-    def __init__(self, sweep: DictConfig, base: DictConfig, result: SensitivityResult, out_dir: Path) -> None:
-        self.sweep, self.base, self.result, self.out_dir = sweep, base, result, out_dir
-        self.units = group_layers(result.layers, sweep.groups)
-        self.budget = result._budget(float(sweep.budget))
+    def __init__(self, search: DictConfig, base: DictConfig, menu: MenuResult) -> None:
+        self.search, self.base, self.menu, self.out_dir = search, base, menu, Path(search.out_dir)
+        self.units = menu.unit_items()
+        self.budget = float(search.budget)
+        self.criterion = str(search.criterion)
 
-    def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
-        kmap = suggest_map(trial, self.units, list(self.sweep.kernels))
+    def seeds(self) -> dict[str, dict[str, float]]:
+        """The criterion's own map (every weight 0), as Optuna params."""
+        return {"knapsack": {weight_param(u): 0.0 for u in self.units}}
+
+    def choice(self, weights: dict[str, float]) -> MapChoice:
+        per_item = {name: math.exp(weights[u]) for u, names in self.units.items() for name in names}
+        return self.menu.make_map(self.budget, self.criterion, weights=per_item)
+
+    def __call__(self, trial: optuna.Trial) -> float:
+        weights = {u: trial.suggest_float(weight_param(u), *WEIGHT_RANGE) for u in self.units}
+        choice = self.choice(weights)
+        key = map_key(choice)
+        name = f"{self.search.study_name}_t{trial.number}"
         trial_dir = self.out_dir / "trials" / f"{trial.number:04d}"
-        cfg = trial_config(self.base, kmap, f"{self.sweep.study_name}_t{trial.number}", trial_dir)
-        trial_dir.mkdir(parents=True, exist_ok=True)
+        map_path = write_map_yaml(choice.map, trial_dir / "compression.yaml", name=name,
+                                  norm_storage=choice.norm_storage, act_storage=choice.act_storage,
+                                  comment=f"{self.search.study_name} trial {trial.number}: predicted saved bytes "
+                                          f"{choice.score['ratio']:.3f}x stock, {self.criterion} "
+                                          f"{choice.score[self.criterion]:.4g}")
+        cfg = self.base.copy()
+        with open_dict(cfg):
+            cfg.compression.map_file = str(map_path)
+            cfg.out_dir = str(trial_dir / "train")
         OmegaConf.save(cfg, trial_dir / "config.yaml")
-        map_path = write_map_yaml(kmap, trial_dir / "compression.yaml", name=cfg.compression.name)
-        overrides = [*self.sweep.base_overrides, f"compression.map_file={map_path}", f"out_dir={trial_dir / 'train'}"]
-        trial.set_user_attr("map", kmap)
+        overrides = [*self.search.base_overrides, f"compression.map_file={map_path}", f"out_dir={trial_dir / 'train'}"]
+        trial.set_user_attr("map_key", key)
+        trial.set_user_attr("map_file", str(map_path))
         trial.set_user_attr("config", str(trial_dir / "config.yaml"))
         trial.set_user_attr("rerun", "lessmem-train " + " ".join(overrides))
-        memory = self.result.saved_bytes(kmap)
-        trial.set_user_attr("conv_input_bytes", memory)
-        trial.set_user_attr("mean_cosine", self.result.mean_cosine(kmap))
-        if self.sweep.objective == "fidelity":
-            score = self.result.mean_cosine(kmap)
+        trial.set_user_attr("saved_bytes", choice.score["bytes"])
+        trial.set_user_attr("ratio", choice.score["ratio"])
+        trial.set_user_attr("criterion", choice.score[self.criterion])
+        earlier = self._trained(trial.study, key)
+        if earlier is not None:
+            trial.set_user_attr("same_as", earlier.number)
+            score = float(earlier.value)
         else:
-            score = self._train(cfg, trial, trial_dir)
+            score = train_trial(cfg, trial, str(self.search.score_key))
         trial.set_user_attr("score", score)
-        constraint = float(memory - self.budget) if self.budget is not None else 0.0
-        trial.set_user_attr("constraint", [constraint])
-        if self.sweep.mode == "budget":
-            trial.set_constraint("memory", constraint)
-        return (float(memory), score) if self.sweep.mode == "pareto" else score
+        return score
 
-    def _train(self, cfg: DictConfig, trial: optuna.Trial, trial_dir: Path) -> float:
-        with open_dict(cfg):
-            cfg.out_dir = str(trial_dir / "train")
-        return train_trial(cfg, trial, str(self.sweep.score_key))
+    @staticmethod
+    def _trained(study: optuna.Study, key: str) -> optuna.trial.FrozenTrial | None:
+        done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        return next((t for t in done if t.user_attrs.get("map_key") == key and "same_as" not in t.user_attrs), None)
 
 
 def train_trial(cfg: DictConfig, trial: optuna.Trial, score_key: str) -> float:

@@ -1,92 +1,114 @@
-"""A study's report: ``trials.csv``, ``pareto.csv``, ``pareto.md``, ``summary.json``, the
-Pareto maps as YAML files (``best_maps/``) and ``pareto.png``."""
+"""A search's report: ``trials.csv``, ``report.md``, ``summary.json``, the best map as
+``best_map.yaml`` and ``search.png`` (each trial's score against its criterion value)."""
 
 from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Mapping, Sequence
+import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import optuna
 from omegaconf import DictConfig
 
-from lessmem.sensitivity import SensitivityResult, write_map_yaml
-from lessmem.reporting import pareto_front
-from lessmem.search.plot import plot_pareto
-from lessmem.search.trial_rows import pruned_rows, trial_rows
+from lessmem.reporting import pyplot, save_figure
 
-CSV_FIELDS = ["trial", "seed", "state", "pruned_at_epoch", "conv_input_bytes", "score", "mean_cosine",
-              "feasible", "params", "config"]
+FIELDS = ["trial", "seed", "state", "pruned_at_epoch", "ratio", "criterion", "score", "same_as", "map_file"]
 
 
-def write_report(study: optuna.Study, result: SensitivityResult, sweep: DictConfig, out_dir: Path) -> dict[str, Any]:
+def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
+    """Complete and pruned trials (a pruned one's score: its last reported value)."""
+    rows = []
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    for t in study.get_trials(deepcopy=False, states=states):
+        a = t.user_attrs
+        pruned = t.state == optuna.trial.TrialState.PRUNED
+        last, value = last_report(t)
+        score = value if pruned else a.get("score")
+        rows.append({"trial": t.number, "seed": a.get("seed", ""), "state": "pruned" if pruned else "complete",
+                     "pruned_at_epoch": last if pruned and last is not None else "",
+                     "ratio": a.get("ratio"), "criterion": a.get("criterion"), "score": score,
+                     "same_as": a.get("same_as", ""), "map_file": a.get("map_file", "")})
+    return sorted(rows, key=lambda r: r["trial"])
+
+
+def write_report(study: optuna.Study, search: DictConfig) -> dict[str, Any]:
+    out_dir = Path(search.out_dir)
     rows = trial_rows(study)
-    if not rows:
-        raise RuntimeError(f"study {sweep.study_name} has no complete trial")
-    front = pareto_front(rows, mem="conv_input_bytes", acc="score")
-    base_bytes = result.baseline_bytes()
-    pruned = pruned_rows(study)
-    all_rows = sorted(rows + pruned, key=lambda r: r["trial"])
-    for name, data in (("trials.csv", all_rows), ("pareto.csv", front)):
-        with (out_dir / name).open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(data)
-    maps_dir = out_dir / "best_maps"
-    for r in front:
-        write_map_yaml(r["map"], maps_dir / f"trial_{r['trial']:04d}.yaml",
-                       name=f"{sweep.study_name}_t{r['trial']}",
-                       comment=f"Pareto map of {sweep.study_name}, trial {r['trial']}: conv-input bytes "
-                               f"{r['conv_input_bytes']} ({r['conv_input_bytes'] / base_bytes:.3f} of all-1), "
-                               f"{sweep.objective} score {r['score']:.4f}")
-    seeds = {r["seed"]: r for r in rows if r["seed"]}
-    beats = _dominating(front, seeds.get("uniform_2"))
+    complete = [r for r in rows if r["state"] == "complete"]
+    if not complete:
+        raise RuntimeError(f"study {search.study_name} has no complete trial")
+    with (out_dir / "trials.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    best = max(complete, key=lambda r: r["score"])
+    seed = next((r for r in complete if r["seed"] == "knapsack"), None)
+    shutil.copyfile(best["map_file"], out_dir / "best_map.yaml")
     summary = {
-        "study": sweep.study_name, "objective": sweep.objective, "mode": sweep.mode,
-        "complete_trials": len(rows), "pruned_trials": len(pruned),
-        "pruner": str(sweep.pruner.name), "baseline_conv_input_bytes": base_bytes,
-        "seeds": {k: {"conv_input_bytes": v["conv_input_bytes"], "score": v["score"]} for k, v in seeds.items()},
-        "pareto": [{"trial": r["trial"], "conv_input_bytes": r["conv_input_bytes"], "score": r["score"],
-                    "params": json.loads(r["params"])} for r in front],
-        "beats_uniform_2": [r["trial"] for r in beats],
+        "study": search.study_name, "score_key": search.score_key,
+        "budget": float(search.budget), "criterion": search.criterion, "pruner": str(search.pruner.name),
+        "complete_trials": len(complete), "pruned_trials": len(rows) - len(complete),
+        "distinct_maps_trained": len({r["map_file"] for r in complete if r["same_as"] == ""}),
+        "best": {k: best[k] for k in ("trial", "score", "ratio", "criterion")},
+        "best_map": str(out_dir / "best_map.yaml"),
+        "knapsack": {k: seed[k] for k in ("trial", "score", "ratio", "criterion")} if seed else None,
+        "best_is_knapsack": bool(seed and best["trial"] == seed["trial"]),
+        "report": str(out_dir / "report.md"),
     }
-    if sweep.mode == "budget":
-        feasible = [r for r in rows if r["feasible"]]
-        summary["best_feasible"] = max(feasible, key=lambda r: r["score"])["trial"] if feasible else None
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out_dir / "pareto.md").write_text(_markdown(front, seeds, beats, base_bytes, sweep, pruned))
-    plot_pareto(rows, front, out_dir / "pareto.png", sweep, pruned)
+    (out_dir / "report.md").write_text(_markdown(rows, summary, search))
+    plot_search(rows, out_dir / "search.png", search)
     return summary
 
 
-def _dominating(front: list[dict[str, Any]], ref: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Front maps with fewer bytes than ``ref`` and at least its score."""
-    if ref is None:
-        return []
-    return [r for r in front if r["conv_input_bytes"] < ref["conv_input_bytes"] and r["score"] >= ref["score"]]
+def last_report(t: optuna.trial.FrozenTrial) -> tuple[int | None, float | None]:
+    """(epoch, value) of the trial's last intermediate report; (None, None) before any."""
+    steps = t.intermediate_values
+    if not steps:
+        return None, None
+    last = max(steps)
+    return last, steps[last]
 
 
-def _markdown(front: Sequence[Mapping[str, Any]], seeds: Mapping[str, Mapping[str, Any]],
-              beats: Sequence[Mapping[str, Any]], base_bytes: int, sweep: DictConfig,
-              pruned: Sequence[Mapping[str, Any]] = ()) -> str:
-    label = "mean grad cosine" if sweep.objective == "fidelity" else sweep.score_key
-    lines = [f"# Pareto front: {sweep.study_name}", "",
-             f"objective: {sweep.objective} ({label}), memory: conv-input bytes kept for backward "
-             f"(all-1 = {base_bytes:,d} B)", "",
-             "| trial | seed | conv-input bytes | of all-1 | " + label + " | kernels |", "|---|---|---|---|---|---|"]
-    for r in front:
-        lines.append(f"| {r['trial']} | {r['seed']} | {r['conv_input_bytes']:,d} | "
-                     f"{r['conv_input_bytes'] / base_bytes:.3f} | {r['score']:.4f} | `{r['params']}` |")
-    lines += ["", "Seeds (uniform maps and the greedy sensitivity map):", ""]
-    for name, r in sorted(seeds.items()):
-        lines.append(f"- {name}: {r['conv_input_bytes']:,d} B ({r['conv_input_bytes'] / base_bytes:.3f}), "
-                     f"{label} {r['score']:.4f}")
-    lines += ["", f"Pareto maps with fewer bytes than uniform 2x2 at equal or better {label}: "
-              + (", ".join(f"trial {r['trial']}" for r in beats) or "none"), ""]
-    if pruned:
-        lines += [f"Pruned trials ({sweep.pruner.name} pruner): " + ", ".join(
-            f"trial {r['trial']} after epoch {r['pruned_at_epoch']} ({label} {r['score']:.4f})"
-            if r["score"] != "" else f"trial {r['trial']}" for r in pruned), ""]
-    return "\n".join(lines)
+def _markdown(rows: Sequence[dict[str, Any]], summary: dict[str, Any], search: DictConfig) -> str:
+    lines = [f"# Search: {search.study_name}", "",
+             f"Maps at <= {float(search.budget):g}x stock saved bytes, the knapsack over the whole menu on "
+             f"`{search.criterion}` with per-unit weights from Optuna (TPE); score: `{search.score_key}` of a short "
+             f"training run ({search.pruner.name} pruning). {summary['complete_trials']} complete trials "
+             f"({summary['distinct_maps_trained']} distinct maps trained), {summary['pruned_trials']} pruned.", "",
+             f"Best: trial {summary['best']['trial']} ({summary['best']['score']:.4f}); "
+             + (f"the criterion's own map (trial {summary['knapsack']['trial']}): {summary['knapsack']['score']:.4f}."
+                if summary["knapsack"] else "the criterion's own map did not complete."), "",
+             "| trial | seed | state | saved ratio | criterion | score | same map as |", "|---|---|---|---:|---:|---:|---|"]
+    for r in sorted(rows, key=lambda r: -(r["score"] if r["score"] is not None else -1)):
+        score = "" if r["score"] is None else f"{r['score']:.4f}"
+        state = r["state"] + (f" (epoch {r['pruned_at_epoch']})" if r["pruned_at_epoch"] != "" else "")
+        lines.append(f"| {r['trial']} | {r['seed']} | {state} | {r['ratio']:.3f} | {r['criterion']:.4g} | "
+                     f"{score} | {r['same_as']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_search(rows: Sequence[dict[str, Any]], path: Path, search: DictConfig) -> Path:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.0, 4.2))
+    for state, marker, color in (("complete", "o", "tab:blue"), ("pruned", "x", "tab:orange")):
+        shown = [r for r in rows if r["state"] == state and r["score"] is not None]
+        label = state if state == "complete" else "pruned (last reported)"
+        ax.scatter([r["criterion"] for r in shown], [r["score"] for r in shown], marker=marker, color=color,
+                   s=24, label=label)
+    for r in rows:
+        if r["seed"] and r["score"] is not None:
+            ax.scatter(r["criterion"], r["score"], marker="*", s=140, color="tab:red", zorder=3)
+            ax.annotate(r["seed"], (r["criterion"], r["score"]), fontsize=7, xytext=(4, -10), textcoords="offset points")
+    if search.criterion != "cosine":
+        ax.set_xscale("log")
+    ax.set_xlabel(f"{search.criterion} of the trial's map")
+    ax.set_ylabel(str(search.score_key))
+    ax.set_title(f"{search.study_name}: maps at <= {float(search.budget):g}x stock saved bytes", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path, dpi=120)

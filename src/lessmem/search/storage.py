@@ -1,31 +1,48 @@
-"""Where a study lives: an Optuna journal file, or an RDB with heartbeats for many workers."""
+"""Where an Optuna study lives, for ``lessmem-search`` and the Hydra sweeper alike: in memory, a
+journal file, or an RDB (with heartbeats when many workers share it)."""
 
 from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from omegaconf import DictConfig
-from optuna.storages import JournalStorage, RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.storages import (
+    BaseStorage,
+    JournalStorage,
+    RDBStorage,
+    RetryHeartbeatStaleTrialCallback,
+)
 from optuna.storages.journal import JournalFileBackend
 from sqlalchemy.exc import IntegrityError, ProgrammingError
 
 SCHEMA_ATTEMPTS = 5
 
 
-def make_storage(sweep: DictConfig, storage: str | Path) -> Any:
-    """An RDB URL (``scheme://...``): RDBStorage with heartbeats, killed trials retried; anything
-    else: a journal file (lock-protected appends, safe on a shared file system)."""
+@dataclass(frozen=True)
+class Heartbeat:
+    """RDB heartbeats: a trial silent for ``grace_s`` is stale and retried up to ``max_retry`` times."""
+
+    interval_s: int = 60
+    grace_s: int = 180
+    max_retry: int = 2
+
+
+def make_storage(storage: str | Path | None, heartbeat: Heartbeat | None = None) -> BaseStorage | None:
+    """None: in memory; an RDB URL (``scheme://...``): RDBStorage, with ``heartbeat`` if given;
+    anything else: a journal file (lock-protected appends, safe on a shared file system)."""
+    if storage is None:
+        return None
     if "://" in str(storage):
-        retry = RetryHeartbeatStaleTrialCallback(max_retry=int(sweep.max_retry))
+        hb = {} if heartbeat is None else {
+            "heartbeat_interval": heartbeat.interval_s, "grace_period": heartbeat.grace_s,
+            "heartbeat_stale_trial_callback": RetryHeartbeatStaleTrialCallback(max_retry=heartbeat.max_retry)}
         # Workers started together on an empty database race to create Optuna's tables (on
         # PostgreSQL the losers get a duplicate-key error): the tables exist after the winner, so retry.
         for attempt in range(SCHEMA_ATTEMPTS):
             try:
-                return RDBStorage(str(storage), heartbeat_interval=int(sweep.heartbeat_s),
-                                  grace_period=int(sweep.grace_s), heartbeat_stale_trial_callback=retry)
+                return RDBStorage(str(storage), **hb)
             except (IntegrityError, ProgrammingError):
                 if attempt == SCHEMA_ATTEMPTS - 1:
                     raise

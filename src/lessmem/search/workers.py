@@ -19,20 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from omegaconf import DictConfig
 from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
 
-from lessmem.search.study import n_finished
-
-
-def fail_stale(study: optuna.Study) -> list[int]:
-    """Trials left RUNNING by an interrupted process: mark them failed and queue their params
-    again (they did not finish, so they are not repeats). Assumes one process per study."""
-    stale = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.RUNNING]
-    for t in stale:
-        study.tell(t.number, state=optuna.trial.TrialState.FAIL)
-        study.enqueue_trial(t.params, user_attrs={k: v for k, v in t.user_attrs.items() if k == "seed"})
-    return [t.number for t in stale]
+from lessmem.search.study import n_finished, requeue
 
 
 def fail_dead_trials(study: optuna.Study, grace_s: float) -> list[int]:
@@ -58,7 +47,7 @@ def fail_dead_trials(study: optuna.Study, grace_s: float) -> list[int]:
             study.tell(t.number, state=optuna.trial.TrialState.FAIL)
         except (RuntimeError, ValueError):  # another worker failed it first
             continue
-        study.enqueue_trial(t.params, user_attrs={k: v for k, v in t.user_attrs.items() if k == "seed"})
+        requeue(study, t)
         failed.append(t.number)
     return failed
 
@@ -102,13 +91,13 @@ class SharedBudget:
         return self.objective(trial)
 
 
-def optimize_shared(study: optuna.Study, objective: Any, sweep: DictConfig, catch: tuple) -> None:
-    """Run trials until the study holds ``n_trials`` finished ones, whoever runs them."""
-    n, poll = int(sweep.n_trials), float(sweep.poll_s)
+def optimize_shared(study: optuna.Study, objective: Any, search: Any, catch: tuple) -> None:
+    """Run trials until the study holds ``search.n_trials`` finished ones, whoever runs them."""
+    n, poll = int(search.n_trials), float(search.poll_s)
     budget = SharedBudget(objective, n)
     stop = optuna.study.MaxTrialsCallback(n, states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED))
     while True:
-        fail_dead_trials(study, float(sweep.grace_s))
+        fail_dead_trials(study, float(search.grace_s))
         done = n_finished(study)
         running = len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)))
         if done >= n:

@@ -1,38 +1,24 @@
-"""Layer sensitivity: how much each layer's weight gradient changes under each compression
-choice, measured from one stock forward/backward per batch (kernels: ``sensitivity``; the whole
-kernel x storage menu with the whole-gradient criterion: ``measure_menu``), and the maps chosen
-from it (torch only)."""
+"""Layer sensitivity: what every compression choice (pooling kernel x storage of a layer's input,
+storage of a BatchNorm or activation input) costs in bytes and in gradient error, measured from a
+few stock forward/backward passes (``measure_menu``), and the maps chosen from it by a knapsack
+(``MenuResult.make_map``). Kernel-only is the menu with native storage alone. Torch only."""
 
-from lessmem.sensitivity.geometry import conv_layers
-from lessmem.sensitivity.groups import group_layers
-from lessmem.sensitivity.io import append_history, read_map_yaml, write_map_yaml
-from lessmem.sensitivity.measure import DEFAULT_KERNELS, sensitivity
-from lessmem.sensitivity.menu import (
-    CRITERIA,
-    DEFAULT_CRITERION,
-    MapChoice,
-    MenuItem,
-    MenuResult,
-    option_name,
-)
-from lessmem.sensitivity.menu_measure import LOSSY_STORAGES, measure_menu
-from lessmem.sensitivity.result import SensitivityResult
+from lessmem.sensitivity.io import read_map_yaml, write_map_yaml
+from lessmem.sensitivity.items import MAP_KINDS, MenuItem, option_name
+from lessmem.sensitivity.menu import CRITERIA, DEFAULT_CRITERION, MapChoice, MenuResult
+from lessmem.sensitivity.menu_measure import DEFAULT_KERNELS, LOSSY_STORAGES, measure_menu
 
 __all__ = [
     "CRITERIA",
     "DEFAULT_CRITERION",
     "DEFAULT_KERNELS",
     "LOSSY_STORAGES",
+    "MAP_KINDS",
     "MapChoice",
     "MenuItem",
     "MenuResult",
-    "SensitivityResult",
-    "append_history",
-    "conv_layers",
-    "group_layers",
     "measure_menu",
     "option_name",
     "read_map_yaml",
-    "sensitivity",
     "write_map_yaml",
 ]

@@ -1,14 +1,11 @@
-"""Files made from sensitivity results: a generated compression map (a ``compression`` config
-group file) and sensitivity tracked over training (appended csv rows)."""
+"""A compression map as a file: a ``compression`` config group file written from a menu's choice,
+and read back."""
 
 from __future__ import annotations
 
-import csv
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-from lessmem.sensitivity.result import SensitivityResult
 
 StorageRule = str | Mapping[str, str]
 
@@ -55,17 +52,3 @@ def _value(v: Any) -> int | str:
 
 def _rule(rule: StorageRule) -> StorageRule:
     return rule if isinstance(rule, str) else {str(k): str(v) for k, v in rule.items()}
-
-
-def append_history(result: SensitivityResult, path: str | Path, step: int, epoch: int | None = None) -> None:
-    """Append one result as rows (step, epoch, layer, kernel, cosine, ...) to a CSV: sensitivity
-    tracked over training, measured at checkpoints on a fixed batch."""
-    path = Path(path)
-    rows = [{"step": step, "epoch": epoch, **r} for r in result.rows()]
-    new = not path.exists()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)

@@ -22,53 +22,23 @@ the layers reading one tensor (ResNet's conv1 and downsample) storing each disti
 
 from __future__ import annotations
 
+import csv
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from lessmem.core import first_match, parse_spec
+from lessmem.sensitivity.items import MAP_KINDS, MenuItem, option_name
 from lessmem.sensitivity.knapsack import least_value_choice
+from lessmem.sensitivity.menu_plot import plot_menu
 
 CRITERIA = ("grad_error", "loss_change", "cosine")
 # The criterion make_map uses unless told otherwise: the one whose ranking of trained maps matched
 # their accuracy best in the criterion check (docs/results/criterion_check/summary.md).
 DEFAULT_CRITERION = "cosine"
-# Item kinds the compression map addresses (the others take norm_storage / act_storage).
-MAP_KINDS = ("conv", "linear")
 StorageRule = str | Mapping[str, str]
-
-
-def option_name(kernel: int, storage: str) -> str:
-    """How a conv option is written in a map: ``"2"``, ``"2/int4"``, ``"int4"`` (kernel 1)."""
-    if storage == "native":
-        return str(kernel)
-    return storage if kernel == 1 else f"{kernel}/{storage}"
-
-
-@dataclass
-class MenuItem:
-    name: str
-    kind: str  # "conv" | "linear" (token-pooling linear) | "norm" | "act"
-    options: list[str]
-    nbytes: list[int]  # per option
-    criteria: dict[str, list[list[float]]]  # criterion -> per batch -> per option
-    group: int | None = None  # conv items reading one tensor share a group id
-
-    @property
-    def exact_option(self) -> str:
-        return "1" if self.kind in MAP_KINDS else "native"
-
-    def mean(self, criterion: str) -> list[float]:
-        return [float(v) for v in np.mean(np.asarray(self.criteria[criterion], dtype=float), axis=0)]
-
-    def index(self, option: str) -> int:
-        if option not in self.options:
-            raise ValueError(f"{self.kind} {self.name!r}: option {option!r} was not measured; have {self.options}")
-        return self.options.index(option)
 
 
 @dataclass
@@ -206,16 +176,12 @@ class MenuResult:
         if path.is_dir():
             path = path / "menu.json"
         if not path.is_file():
-            raise FileNotFoundError(f"no menu measurement at {path} (lessmem-sensitivity sensitivity.menu=true writes it)")
+            raise FileNotFoundError(f"no menu measurement at {path} (lessmem-sensitivity writes it)")
         return cls.from_dict(json.loads(path.read_text()))
 
     def save(self, out_dir: str | Path, heatmap: bool = True) -> dict[str, Path]:
         """Write menu.json (everything), menu.csv (per item x option: bytes, mean criteria) and
         menu.png (the whole-gradient error of every option)."""
-        import csv
-
-        from lessmem.sensitivity.menu_plot import plot_menu
-
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         paths = {"json": out / "menu.json", "csv": out / "menu.csv"}
@@ -228,7 +194,7 @@ class MenuResult:
         if heatmap:
             title = (f"{self.meta.get('model', 'model')} ({self.meta.get('weights', '')}): whole-gradient error "
                      f"of each option, {self.meta.get('batches', '?')} batches")
-            paths["png"] = plot_menu(self, out / "menu.png", title)
+            paths["png"] = plot_menu(self.items, out / "menu.png", title)
         return paths
 
 

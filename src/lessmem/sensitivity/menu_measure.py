@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lessmem.core import (
@@ -33,23 +34,19 @@ from lessmem.sensitivity.geometry import (
     TokenLinearLayer,
     sensitivity_layers,
 )
-from lessmem.sensitivity.measure import (
-    DEFAULT_KERNELS,
-    Batch,
-    _default_loss,
-    _progress,
-    _split,
-)
-from lessmem.sensitivity.menu import MenuItem, MenuResult, option_name
-from lessmem.sensitivity.recorder import (
-    _linear_weight_grad,
-    _weight_grad,
+from lessmem.sensitivity.items import MenuItem, option_name
+from lessmem.sensitivity.menu import MenuResult
+from lessmem.sensitivity.weight_grad import (
+    conv_weight_grad,
+    linear_weight_grad,
     pooled_numel,
     pooled_weight_grad,
 )
 
+DEFAULT_KERNELS = (1, 2, 4, 8)
 # 1-bit BatchNorm / activation inputs diverge in training: left out of the default menu.
 LOSSY_STORAGES = ("bf16", "int8", "int4", "int2")
+Batch = Tensor | tuple[Tensor, Tensor] | list[Tensor]
 
 
 def measure_menu(
@@ -60,11 +57,12 @@ def measure_menu(
     norm_storages: Sequence[str] = LOSSY_STORAGES,
     act_storages: Sequence[str] = LOSSY_STORAGES,
     loss_fn: Callable[[Tensor, Tensor | None], Tensor] | None = None,
-    *,
-    progress: bool = False,
 ) -> MenuResult:
     """Every menu option's bytes and gradient error on ``batches`` (``images`` or
-    ``(images, labels)``), for ``model`` in its current mode; ``model`` itself is not changed."""
+    ``(images, labels)``), for ``model`` in its current mode; ``model`` itself is not changed.
+    ``storages=("native",)`` with no norm / activation storages is the kernel-only menu (pooling
+    alone). loss_fn(output, targets): cross-entropy by default (mean square of the output without
+    targets); pass the training loss for other outputs (a language model's next-token loss)."""
     kernels = sorted({int(k) for k in kernels})
     if not kernels or kernels[0] != 1 or "native" not in storages:
         raise ValueError(f"the menu needs kernel 1 and native storage (the exact option) among positive "
@@ -88,7 +86,7 @@ def measure_menu(
     probe_delta: dict[tuple[str, str], int] = {}  # saved bytes an option adds to the exact model
     n_batches = 0
     try:
-        for batch_no, batch in enumerate(_progress(batches, progress)):
+        for batch_no, batch in enumerate(batches):
             x, y = _split(batch)
             x, y = x.to(device), None if y is None else y.to(device)
             first = first if first is not None else x
@@ -135,6 +133,18 @@ def measure_menu(
     return MenuResult(items, stock, base, meta)
 
 
+def _split(batch: Batch) -> tuple[Tensor, Tensor | None]:
+    if isinstance(batch, (tuple, list)):
+        return batch[0], (batch[1] if len(batch) > 1 else None)
+    return batch, None
+
+
+def _default_loss(out: Tensor, target: Tensor | None) -> Tensor:
+    if target is None:  # no labels: any scalar works for the criteria; this one is label-free
+        return out.float().square().mean()
+    return F.cross_entropy(out, target)
+
+
 def _flat_grad(net: nn.Module, params: list[nn.Parameter], x: Tensor, y: Tensor | None,
                loss_fn: Callable[[Tensor, Tensor | None], Tensor], batch_no: int,
                hooks: tuple = ()) -> Tensor:
@@ -156,8 +166,8 @@ def _flat_grad(net: nn.Module, params: list[nn.Parameter], x: Tensor, y: Tensor 
 
 def _error_terms(exact: Tensor, approx: Tensor) -> tuple[float, float, float]:
     """(||a - e||^2, <e, e - a>, cos(e, a)) of two gradients in float64; the first two are divided
-    by the whole gradient's squared norm to become the menu's criteria. Cosine as the kernel
-    sensitivity counts it: two zero gradients agree (1), one zero gradient does not (0)."""
+    by the whole gradient's squared norm to become the menu's criteria. Two zero gradients
+    agree (cosine 1), one zero gradient does not (0)."""
     e, a = exact.double().flatten(), approx.double().flatten()
     diff = e - a
     norm = float(e.norm()) * float(a.norm())
@@ -222,7 +232,7 @@ class _MenuRecorder:
         if not tokens and layer.pre_pad is not None:
             x = layer.pre_pad(x)
         self.shapes[layer.name] = (tuple(x.shape), x.element_size())
-        exact = _linear_weight_grad(grad_out, x) if tokens else _weight_grad(layer, grad_out, x)
+        exact = linear_weight_grad(grad_out, x) if tokens else conv_weight_grad(layer, grad_out, x)
         self.raw[layer.name] = [
             (0.0, 0.0, 1.0) if k == 1 and storage == "native"
             else _error_terms(exact, pooled_weight_grad(layer, grad_out, x, k, storage))

@@ -4,24 +4,21 @@ panel for layer inputs (conv, token linear) and one for BatchNorm / activation i
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lessmem.sensitivity.menu import MAP_KINDS
-
-if TYPE_CHECKING:
-    from lessmem.sensitivity.menu import MenuResult
+from lessmem.sensitivity.items import MAP_KINDS, MenuItem
 
 
-def plot_menu(result: MenuResult, path: str | Path, title: str) -> Path:
+def plot_menu(menu_items: Sequence[MenuItem], path: str | Path, title: str) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [[i for i in result.items if i.kind in MAP_KINDS], [i for i in result.items if i.kind not in MAP_KINDS]]
+    panels = [[i for i in menu_items if i.kind in MAP_KINDS], [i for i in menu_items if i.kind not in MAP_KINDS]]
     panels = [p for p in panels if p]
     widths = [len(p[0].options) for p in panels]
     height = 1.6 + 0.28 * max(len(p) for p in panels)
