@@ -183,8 +183,8 @@ def test_cli_menu_writes_measurement_and_a_map_a_run_can_use(tmp_path, run_cli, 
     from lessmem.cli import sensitivity as cli
 
     out = tmp_path / "menu"
-    result = run_cli(cli.main, "lessmem-sensitivity", "model=resnet20", "dataset=synthetic", "sensitivity.menu=true",
-                     "sensitivity.batches=1", "sensitivity.batch_size=4", "sensitivity.kernels=[1,2]",
+    result = run_cli(cli.main, "lessmem-sensitivity", "model=resnet20", "dataset=synthetic",
+                     "sensitivity.batches=1", "sensitivity.batch_size=4", "menu.kernels=[1,2]",
                      "sensitivity.budget=0.2", f"sensitivity.out={out}")
     assert result.status == 0, result.stderr
     menu = MenuResult.load(out)
@@ -194,7 +194,7 @@ def test_cli_menu_writes_measurement_and_a_map_a_run_can_use(tmp_path, run_cli, 
     cfg = compose(*tiny, f"compression.map_file={out / 'menu_resnet20.yaml'}")
     choice = resolve_compression(cfg.compression)
     assert choice.map == mapping and choice.norm_storage == norm
-    bad = run_cli(cli.main, "lessmem-sensitivity", "model=resnet20", "dataset=synthetic", "sensitivity.menu=true",
+    bad = run_cli(cli.main, "lessmem-sensitivity", "model=resnet20", "dataset=synthetic",
                   "sensitivity.batches=1", "sensitivity.batch_size=4", "sensitivity.criterion=accuracy",
                   f"sensitivity.out={out}")
     assert bad.is_one_error("lessmem-sensitivity", "unknown criterion 'accuracy'")

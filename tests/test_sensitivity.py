@@ -1,4 +1,5 @@
-"""lessmem.sensitivity: one stock backward predicts every compressed weight gradient."""
+"""lessmem.sensitivity, kernel-only (the menu with native storage): one stock backward predicts
+every compressed weight gradient, and the bytes of every map."""
 
 from __future__ import annotations
 
@@ -7,12 +8,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
-from PIL import Image
 from torch import nn
 
 import lessmem
-from lessmem.sensitivity import SensitivityResult, sensitivity, write_map_yaml
+from lessmem.sensitivity import MenuResult, measure_menu
 
 
 class Block(nn.Module):
@@ -51,17 +50,28 @@ def conv_grads(model: nn.Module, batch) -> dict[str, torch.Tensor]:
     return {n: m.weight.grad.clone() for n, m in model.named_modules() if isinstance(m, nn.Conv2d)}
 
 
+def kernel_menu(model: nn.Module, data, kernels=(1, 2, 4)) -> MenuResult:
+    return measure_menu(model, data, kernels=kernels, storages=("native",), norm_storages=(), act_storages=())
+
+
+def conv_items(menu: MenuResult) -> dict:
+    return {i.name: i for i in menu.items if i.kind == "conv"}
+
+
 def test_k1_exact_and_pooled_lossy() -> None:
-    res = sensitivity(tiny_cnn().train(), batches(), kernels=(1, 2, 4))
-    assert res.layers == ["0", "3.conv1", "3.conv2", "3.down", "4"]
-    assert res.cosine_mean[:, 0] == pytest.approx(1.0, abs=1e-6)
-    assert res.relerr_mean[:, 0] == pytest.approx(0.0, abs=1e-6)
-    assert (res.cosine_mean[:, 1:] < 1 - 1e-4).all()
-    assert (res.relerr_mean[:, 1:] > 1e-4).all()
+    menu = kernel_menu(tiny_cnn().train(), batches())
+    items = conv_items(menu)
+    assert list(items) == ["0", "3.conv1", "3.conv2", "3.down", "4"]
+    assert {i.kind for i in menu.items} == {"conv", "norm"}  # BatchNorm inputs: native only
+    assert all(i.options == ["native"] for i in menu.items if i.kind == "norm")
+    for item in items.values():
+        assert item.options == ["1", "2", "4"]
+        assert item.mean("cosine")[0] == pytest.approx(1.0, abs=1e-6)
+        assert item.mean("grad_error")[0] == pytest.approx(0.0, abs=1e-12)
+        assert all(c < 1 - 1e-4 for c in item.mean("cosine")[1:])
     # conv1 and down share their input: one group, so a uniform map stores it once.
-    assert res.input_group[1] == res.input_group[3]
-    i = res.layers.index("3.conv1")
-    assert res.nbytes[i].tolist() == [4 * 8 * 15 * 15 * 4, 4 * 8 * 8 * 8 * 4, 4 * 8 * 4 * 4 * 4]
+    assert items["3.conv1"].group == items["3.down"].group
+    assert items["3.conv1"].nbytes == [4 * 8 * 15 * 15 * 4, 4 * 8 * 8 * 8 * 4, 4 * 8 * 4 * 4 * 4]
 
 
 @pytest.mark.parametrize("k", [2, 3, 4])
@@ -73,63 +83,35 @@ def test_prediction_matches_compressed_backward(k: int) -> None:
     compressed = copy.deepcopy(model)
     lessmem.compress(compressed, {"*": k})
     actual = conv_grads(compressed, batch)
-    res = sensitivity(copy.deepcopy(model), [batch], kernels=(1, k))
-    for i, name in enumerate(res.layers):
+    for name, item in conv_items(kernel_menu(copy.deepcopy(model), [batch], kernels=(1, k))).items():
         cos = F.cosine_similarity(exact[name].flatten().double(), actual[name].flatten().double(), dim=0)
-        assert float(cos) == pytest.approx(res.cosine_mean[i, 1], abs=1e-5), name
-        rel = (actual[name] - exact[name]).norm() / exact[name].norm()
-        assert float(rel) == pytest.approx(res.relerr_mean[i, 1], abs=1e-4), name
+        assert float(cos) == pytest.approx(item.mean("cosine")[1], abs=1e-5), name
 
 
 def test_saved_bytes_match_measure_memory() -> None:
-    """Differences of the per-layer accounting equal differences of what autograd really keeps."""
+    """The menu's bytes of a map are what autograd really keeps under it."""
     model = tiny_cnn().train()
     x = batches(1)[0][0]
-    res = sensitivity(copy.deepcopy(model), [batches(1)[0]], kernels=(1, 2, 4))
-    maps = [{}, res.uniform_map(2), {"3.conv1": 4, "3.down": 2, "4": 2}, {"3.conv1": 2, "0": 4}]
-    measured = []
-    for m in maps:
-        lessmem.compress(model, m or None)
-        measured.append(lessmem.measure_memory(model, x).total_bytes)
-    lessmem.uncompress(model)
-    for m, total in zip(maps[1:], measured[1:], strict=True):
-        assert res.baseline_bytes() - res.saved_bytes(m) == measured[0] - total
+    menu = kernel_menu(copy.deepcopy(model), [batches(1)[0]])
+    for m in ({"*": 2}, {"3.conv1": 4, "3.down": 2, "4": 2}, {"3.conv1": 2, "0": 4}):
+        lessmem.compress(model, m)
+        assert menu.score(m)["bytes"] == lessmem.measure_memory(model, x).total_bytes, m
+        lessmem.uncompress(model)
 
 
 def test_buffers_and_grads_untouched() -> None:
     model = tiny_cnn().train()
     before = copy.deepcopy(model.state_dict())
-    sensitivity(model, batches(1), kernels=(1, 2))
+    kernel_menu(model, batches(1), kernels=(1, 2))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_make_map_budget_and_min_cosine(tmp_path) -> None:
-    res = sensitivity(tiny_cnn().train(), batches(), kernels=(1, 2, 4, 8))
-    base = res.baseline_bytes()
-    for frac in (0.8, 0.5, 0.2):
-        kmap = res.make_map(budget_bytes=frac)
-        assert res.saved_bytes(kmap) <= frac * base
-    kmap = res.make_map(budget_bytes=0.5 * base)
-    assert res.saved_bytes(kmap) <= 0.5 * base
-    floor = float(res.cosine_mean[:, 1].min())  # every layer can take 2x2 at least
-    kmap = res.make_map(min_cosine=floor)
-    assert all(c >= floor for c in res.layer_cosines(kmap).values())
-    assert res.saved_bytes(kmap) < base
-    grouped = res.make_map(budget_bytes=0.5, groups=["3.*"])
-    assert len({grouped[n] for n in ("3.conv1", "3.conv2", "3.down")}) == 1
-    path = write_map_yaml(kmap, tmp_path / "conf" / "compression" / "gen.yaml")
-    cfg = yaml.safe_load(path.read_text())
-    assert cfg["map"] == kmap and cfg["norm_storage"] == "native" and cfg["exact_companions"] is True
-    lessmem.compress(tiny_cnn(), cfg["map"])  # usable as a compression map
-
-
-def test_save_roundtrip(tmp_path) -> None:
-    res = sensitivity(tiny_cnn().train(), batches(1), kernels=(1, 2))
-    paths = res.save(tmp_path)
-    assert {p.name for p in paths.values()} == {"sensitivity.csv", "sensitivity.json", "sensitivity.png"}
-    with Image.open(paths["png"]) as im:
-        im.verify()
-    back = SensitivityResult.load(tmp_path)
-    assert back.layers == res.layers and back.nbytes.tolist() == res.nbytes.tolist()
-    assert back.mean_cosine({"4": 2}) == pytest.approx(res.mean_cosine({"4": 2}))
+def test_kernel_map_fits_the_budget_and_compresses() -> None:
+    menu = kernel_menu(tiny_cnn().train(), batches(), kernels=(1, 2, 4, 8))
+    for frac in (0.9, 0.7, 0.5):
+        choice = menu.make_map(frac)
+        assert choice.score["ratio"] <= frac
+        assert choice.norm_storage == "native" and choice.act_storage == "native"
+        assert all(o in ("1", "2", "4", "8") for o in choice.map.values())
+        lessmem.compress(tiny_cnn(), choice.map)  # usable as a compression map

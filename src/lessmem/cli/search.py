@@ -11,7 +11,7 @@ import hydra
 import optuna
 from omegaconf import DictConfig
 
-from lessmem.cli.errors import hydra_entry
+from lessmem.cli.errors import exit_on_user_error, hydra_entry
 from lessmem.experiment import conf_dir
 from lessmem.search import run_search
 
@@ -20,12 +20,13 @@ PROG = "lessmem-search"
 
 @hydra.main(config_path=str(conf_dir()), config_name=None, version_base="1.3")
 def _search(cfg: DictConfig) -> None:
-    if "study_name" not in cfg:
-        raise ValueError("no search config; name one: lessmem-search -cd sweeps -cn <name> "
-                         "(a config with `defaults: [search, _self_]`)")
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    logging.getLogger("lessmem").setLevel(logging.INFO)
-    summary = run_search(cfg)
+    with exit_on_user_error(PROG):  # before Hydra adds its "Error executing job" line
+        if "study_name" not in cfg:
+            raise ValueError("no search config; name one: lessmem-search -cd sweeps -cn <name> "
+                             "(a config with `defaults: [search, _self_]`)")
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        logging.getLogger("lessmem").setLevel(logging.INFO)
+        summary = run_search(cfg)
     print(json.dumps(summary, indent=1))
     print(f"report: {summary['report']}")
 

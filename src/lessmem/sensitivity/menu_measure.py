@@ -78,7 +78,7 @@ def measure_menu(
     probes += [("act", n, s) for n in reach["act_storage"] for s in act_storages if s != "native"]
     conv_options = [(k, s) for k in kernels for s in storages]
     recorder = _MenuRecorder(layers, conv_options)
-    lossy_inputs = _InputSizes(net, [n for _, n, _ in probes])
+    lossy_inputs = _InputSizes(net, [*reach["norm_storage"], *reach["act_storage"]])
     params = [p for p in net.parameters() if p.requires_grad]
     device = params[0].device
     state, first = rounding_state(), None
