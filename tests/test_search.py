@@ -1,163 +1,57 @@
-"""lessmem.search: resumable Optuna search over compression maps (tiny, synthetic data)."""
+"""lessmem.search: resumable Optuna search over menu maps (tiny, synthetic data)."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import optuna
 import pytest
+import torch
 import yaml
 from PIL import Image
 
-from lessmem.search import load_sweep, open_study, run_search
+from lessmem.experiment import build_model_from_cfg, compose_config
+from lessmem.experiment.data import fixed_batches
+from lessmem.search import check_criterion, run_search
+from lessmem.search.run import check_search, open_search_study
+from lessmem.sensitivity import measure_menu
 
 BASE = ["model=resnet20", "dataset=synthetic", "dataset.size=64", "dataset.val_size=32",
-        "logger=disabled", "device=cpu"]
+        "logger=disabled", "device=cpu", "epochs=1", "batch_size=32", "eval_batch_size=32", "memory_batch=4"]
 
 
-def sweep(tmp_path, **over):
-    args = {"study_name": "t", "out_dir": str(tmp_path / "s"), "n_trials": 3, "population_size": 4,
-            "kernels": [1, 2, 4], "groups": ["conv1", "layer1.*", "layer2.*", "layer3.*"],
-            "sensitivity": {"batches": 1, "batch_size": 8}, **over}
-    dotlist = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in args.items()]
-    return load_sweep(None, [*dotlist, f"base_overrides={json.dumps(BASE)}"])
+def search_cfg(tmp_path, *over: str):
+    """A search config composed as lessmem-search composes it (conf/search.yaml)."""
+    return compose_config(["study_name=t", f"out_dir={tmp_path / 's'}", "n_trials=3", "budget=0.4",
+                           "criterion=grad_error", f"base_overrides={json.dumps(BASE)}", *over], "search")
 
 
-def test_interrupted_search_resumes(tmp_path) -> None:
-    first = run_search(sweep(tmp_path, n_trials=2))
-    assert first["complete_trials"] == 2
-    study = open_study(sweep(tmp_path), tmp_path / "s" / "study.journal")
-    before = {t.number: t.params for t in study.trials if t.state.is_finished()}
-    study.ask()  # a trial left RUNNING, as if the process had been killed mid-trial
-    summary = run_search(sweep(tmp_path, n_trials=3))
-    study = open_study(sweep(tmp_path), tmp_path / "s" / "study.journal")
-    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-    assert summary["complete_trials"] == 3 and len(complete) == 3
-    assert {t.number: t.params for t in complete if t.number in before} == before  # not repeated
-    assert [t.state for t in study.trials].count(optuna.trial.TrialState.FAIL) == 1
-    # The stale trial had taken the queued uniform_4 seed; it went back to the end of the queue.
-    seeds = [t.user_attrs.get("seed") for t in complete]
-    assert seeds == ["uniform_1", "uniform_2", "sensitivity"]
-    assert [t.user_attrs.get("seed") for t in study.trials if t.state.name == "WAITING"] == ["uniform_4"]
-    u1, u2 = summary["seeds"]["uniform_1"], summary["seeds"]["uniform_2"]
-    assert u1["score"] == pytest.approx(1.0) and u2["score"] < 1
-    assert u2["conv_input_bytes"] < u1["conv_input_bytes"]
-    # A fourth run with the same n_trials does nothing new.
-    assert run_search(sweep(tmp_path, n_trials=3))["complete_trials"] == 3
-
-    out = tmp_path / "s"
-    for name in ("trials.csv", "pareto.csv", "pareto.md", "summary.json", "sensitivity/sensitivity.png"):
-        assert (out / name).is_file(), name
-    for png in (out / "pareto.png", out / "sensitivity" / "sensitivity.png"):
-        with Image.open(png) as im:
-            im.verify()
-    maps = list((out / "best_maps").glob("*.yaml"))
-    assert maps and "map" in yaml.safe_load(maps[0].read_text())
-    trial_cfg = yaml.safe_load((out / "trials" / "0001" / "config.yaml").read_text())
-    assert set(trial_cfg["compression"]["map"].values()) == {2}
-    assert trial_cfg["model"]["name"] == "resnet20"
-
-
-def test_budget_mode_and_accuracy_objective(tmp_path) -> None:
-    """Single objective under a memory budget; each trial trains via train.run (1 tiny epoch)."""
-    s = sweep(tmp_path, n_trials=1, mode="budget", objective="accuracy", budget=0.3,
-              base_overrides=None)
-    s.base_overrides = [*BASE, "epochs=1", "batch_size=32", "eval_batch_size=32", "memory_batch=4"]
-    summary = run_search(s)
-    assert summary["complete_trials"] == 1
-    assert 0.0 <= summary["seeds"]["uniform_1"]["score"] <= 1.0
-    assert summary["best_feasible"] is None  # uniform_1 keeps all bytes: over the 0.3 budget
-    assert (tmp_path / "s" / "trials" / "0000" / "train" / "metrics.json").is_file()
-
-
-class _PruneFromTrial1(optuna.pruners.BasePruner):
-    """Prunes every trial but the first at its first report: deterministic, unlike the median."""
-
-    def prune(self, study, trial) -> bool:
-        return trial.number >= 1
-
-
-def _pruning_sweep(tmp_path, monkeypatch, epochs: int):
-    """Two accuracy trials of ``epochs`` tiny epochs under a pruner that prunes trial 1 at once."""
-    import lessmem.search.study as study_module
-
-    monkeypatch.setattr(study_module, "make_pruner", lambda pcfg: _PruneFromTrial1())
-    s = sweep(tmp_path, n_trials=2, mode="budget", objective="accuracy", budget=0.3,
-              base_overrides=None, pruner={"name": "median"})
-    s.base_overrides = [*BASE, f"epochs={epochs}", "batch_size=32", "eval_batch_size=32", "memory_batch=4"]
-    return s
-
-
-def test_accuracy_search_prunes_per_epoch(tmp_path, monkeypatch) -> None:
-    s = _pruning_sweep(tmp_path, monkeypatch, epochs=2)
-    summary = run_search(s)
-    assert summary["complete_trials"] == 1 and summary["pruned_trials"] == 1
-    study = open_study(s, tmp_path / "s" / "study.journal")
-    pruned = [t for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
-    assert len(pruned) == 1 and list(pruned[0].intermediate_values) == [1]
-    # The pruned run stopped after its first epoch, with that epoch checkpointed.
-    lines = (tmp_path / "s" / "trials" / "0001" / "train" / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 1
-    full = (tmp_path / "s" / "trials" / "0000" / "train" / "metrics.jsonl").read_text().splitlines()
-    assert len(full) == 2
-    rows = (tmp_path / "s" / "trials.csv").read_text()
-    assert "pruned" in rows and "Pruned trials" in (tmp_path / "s" / "pareto.md").read_text()
-
-
-def test_a_trial_is_never_pruned_after_its_last_epoch(tmp_path, monkeypatch) -> None:
-    """Pruning then saves nothing and would only throw a finished score away."""
-    summary = run_search(_pruning_sweep(tmp_path, monkeypatch, epochs=1))
-    assert summary["complete_trials"] == 2 and summary["pruned_trials"] == 0
-
-
-def test_pruner_choices() -> None:
-    from lessmem.search import make_pruner
-
-    base = {"n_startup_trials": 2, "n_warmup_steps": 1, "min_resource": 1, "reduction_factor": 3}
-    assert isinstance(make_pruner({"name": "median", **base}), optuna.pruners.MedianPruner)
-    assert isinstance(make_pruner({"name": "hyperband", **base}), optuna.pruners.HyperbandPruner)
-    assert isinstance(make_pruner({"name": "none", **base}), optuna.pruners.NopPruner)
-    with pytest.raises(ValueError, match="pruner.name"):
-        load_sweep(None, ["pruner.name=asha"])
-    with pytest.raises(ValueError, match="multi-objective"):
-        load_sweep(None, ["pruner.name=median", "objective=accuracy", "mode=pareto"])
-
-
-def _menu_sweep(tmp_path, **over):
-    """A menu search of resnet20 on synthetic data; the menu measured on the run's memory batch."""
-    import torch
-
-    from lessmem.experiment import build_model_from_cfg, compose_config
-    from lessmem.experiment.data import fixed_batches
-    from lessmem.sensitivity import measure_menu
-
-    base = [*BASE, "epochs=1", "batch_size=32", "eval_batch_size=32", "memory_batch=4"]
-    cfg = compose_config(base)
+def menu_file(tmp_path):
+    cfg = compose_config(BASE)
     torch.manual_seed(0)
     menu = measure_menu(build_model_from_cfg(cfg).train(), fixed_batches(cfg, 1, 4), kernels=(1, 2, 4),
                         storages=("native", "int8", "int4"), norm_storages=("int8", "int4"), act_storages=())
-    menu_path = tmp_path / "menu"
-    menu.save(menu_path, heatmap=False)
-    s = sweep(tmp_path, space="menu", menu=str(menu_path / "menu.json"), objective="accuracy", mode="budget",
-              criterion="grad_error", base_overrides=None, **over)
-    s.base_overrides = base
-    return s, menu
+    menu.save(tmp_path / "menu", heatmap=False)
+    return menu, tmp_path / "menu" / "menu.json"
 
 
 def test_menu_search_trains_knapsack_variations_within_budget(tmp_path, monkeypatch) -> None:
-    """space=menu: trial 0 is the criterion's own map, every trial's map fits the budget (its bytes
-    predicted exactly: equal to the run's measured saved bytes), a map met again is not retrained,
-    and the best map is a file a run can use."""
-    from lessmem.search.menu_objective import MenuObjective, weight_param
+    """Trial 0 is the criterion's own map, every trial's map fits the budget (its bytes predicted
+    exactly: equal to the run's measured saved bytes), a map met again is not retrained, the best
+    map is a file a run can use, and a rerun with a trial left RUNNING resumes the same study."""
+    from lessmem.search.objective import Objective, weight_param
 
-    s, menu = _menu_sweep(tmp_path, n_trials=3, budget=0.4)
+    menu, path = menu_file(tmp_path)
+    s = search_cfg(tmp_path, f"menu_file={path}")
     # A second seed scaling every unit alike: the same knapsack answer, so trained once only.
-    seeds = MenuObjective.seeds
-    monkeypatch.setattr(MenuObjective, "seeds", lambda self: {
+    seeds = Objective.seeds
+    monkeypatch.setattr(Objective, "seeds", lambda self: {
         **seeds(self), "scaled": {weight_param(u): 0.5 for u in self.units}})
     summary = run_search(s)
     assert summary["complete_trials"] == 3 and summary["knapsack"]["trial"] == 0
-    study = open_study(s, tmp_path / "s" / "study.journal")
+    study, created = open_search_study(s)
+    assert not created
     trials = sorted(study.trials, key=lambda t: t.number)
     chosen = menu.make_map(0.4, "grad_error")
     knapsack = yaml.safe_load((tmp_path / "s" / "trials" / "0000" / "compression.yaml").read_text())
@@ -174,21 +68,33 @@ def test_menu_search_trains_knapsack_variations_within_budget(tmp_path, monkeypa
         assert (out / name).is_file(), name
     with Image.open(out / "search.png") as im:
         im.verify()
-    from lessmem.experiment import compose_config
-    from lessmem.experiment.compression import resolve_compression
+    best = compose_config([*BASE, f"compression.map_file={out / 'best_map.yaml'}"])
+    assert best.compression.map_file
+    # Resume: a trial left RUNNING (a killed process) fails, its params run again; done trials stay.
+    study.ask({weight_param(u): optuna.distributions.FloatDistribution(-2, 2) for u in menu.unit_items()})
+    summary = run_search(search_cfg(tmp_path, f"menu_file={path}", "n_trials=4"))
+    study, _ = open_search_study(s)
+    states = [t.state for t in study.trials]
+    assert summary["complete_trials"] == 4 and states.count(optuna.trial.TrialState.FAIL) == 1
 
-    best = resolve_compression(compose_config([*BASE, f"compression.map_file={out / 'best_map.yaml'}"]).compression)
-    assert best.exact_companions and best.map
+
+def test_search_config_errors(tmp_path) -> None:
+    with pytest.raises(ValueError, match="unknown criterion 'top1'"):
+        check_criterion("top1")
+    with pytest.raises(ValueError, match=r"budget is a fraction of stock saved bytes in \(0, 1\]"):
+        check_search(search_cfg(tmp_path, "budget=2"))
+    with pytest.raises(FileNotFoundError, match="menu_file .* does not exist"):
+        check_search(search_cfg(tmp_path, f"menu_file={tmp_path / 'none.json'}"))
+    with pytest.raises(ValueError, match="pruner.name must be one of"):
+        check_search(search_cfg(tmp_path, "pruner.name=asha"))
 
 
-def test_menu_search_config_errors(tmp_path) -> None:
-    with pytest.raises(FileNotFoundError, match="space=menu needs menu="):
-        load_sweep(None, ["space=menu", "objective=accuracy", "mode=budget"])
-    menu = tmp_path / "menu.json"
-    menu.write_text("{}")
-    with pytest.raises(ValueError, match="objective=accuracy and mode=budget"):
-        load_sweep(None, ["space=menu", f"menu={menu}"])
-    with pytest.raises(ValueError, match="criterion must be one of"):
-        load_sweep(None, ["space=menu", f"menu={menu}", "objective=accuracy", "mode=budget", "criterion=top1"])
-    with pytest.raises(ValueError, match="space must be"):
-        load_sweep(None, ["space=stages"])
+def test_search_without_a_config_is_a_usage_error(monkeypatch, capsys) -> None:
+    from lessmem.cli import search
+
+    monkeypatch.setattr(sys, "argv", ["lessmem-search"])
+    with pytest.raises(SystemExit) as exit_:
+        search.main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("lessmem-search: error: no search config")
