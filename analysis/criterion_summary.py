@@ -15,6 +15,7 @@ import math
 import sys
 from pathlib import Path
 
+from compact_runs import by_seed, load, restore_maps
 from proof_summary import schedule
 
 from lessmem.sensitivity import MenuResult, read_map_yaml
@@ -86,17 +87,16 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def load_rows(out: Path, menu: MenuResult) -> list[dict]:
+def load_rows(out: Path, table: dict, menu: MenuResult) -> list[dict]:
     rows = []
-    stock = json.loads((out / "runs" / "stock" / "seed0" / "metrics.json").read_text())
+    stock = by_seed(table, "stock")[0]
     rows.append({"map": "stock", "kind": "stock", "top1": 100 * stock["final_top1"], "ratio": 1.0,
                  "predicted_ratio": menu.stock_bytes / menu.stock_bytes,
                  "grad_error": 0.0, "loss_change": 0.0, "cosine": 1.0})
     for path in sorted((out / "maps").glob("*.yaml")):
-        metrics = out / "runs" / path.stem / "seed0" / "metrics.json"
-        if not metrics.exists():
+        m = by_seed(table, path.stem).get(0)
+        if m is None:
             continue
-        m = json.loads(metrics.read_text())
         mapping, norm, act = read_map_yaml(path)
         score = menu.score(mapping, norm, act)
         rows.append({"map": path.stem, "kind": kind_of(path.stem), "top1": 100 * m["final_top1"],
@@ -107,12 +107,14 @@ def load_rows(out: Path, menu: MenuResult) -> list[dict]:
 
 def summarize(out: Path) -> dict:
     menu = MenuResult.load(out / "menu" / "menu.json")
-    rows = load_rows(out, menu)
+    table = load(out)
+    restore_maps(out, table)
+    rows = load_rows(out, table, menu)
     top1 = [r["top1"] for r in rows]
     rho = {c: sign * spearman([r[c] for r in rows], top1) for c, (_, sign, _) in CRITERIA.items()}
     best = max((c for c in rho if c != "ratio"), key=lambda c: rho[c])
     result = {"maps": len(rows), "rows": rows, "spearman": rho, "best": best, "meta": menu.meta,
-              "interval": bootstrap(rows, best), "schedule": schedule(out)}
+              "interval": bootstrap(rows, best), "schedule": schedule(table["stock_config"])}
     (out / "summary.json").write_text(json.dumps(result, indent=2))
     (out / "summary.md").write_text(markdown(result))
     plot(rows, rho, out / "scatter.png")

@@ -219,6 +219,48 @@ def embed_table(md: Path, docs: Path) -> list[str]:
     return [f"From [{md.name}]({rel(md, docs)}):", "", *table, ""]
 
 
+def overview_section(md: Path) -> list[str]:
+    """docs/results/overview.md (hand-written: each study's headline numbers with their commands) one
+    heading level down, its links rewritten from docs/results/ to docs/."""
+    if not md.is_file():
+        return [f"*Missing: {rel(md, REPO)}*", ""]
+    body = md.read_text().split("\n\n", 2)[2]  # its title and introduction are this page's own
+    body = re.sub(r"\]\(\.\./RESULTS\.md(#[^)]*)?\)", lambda m: f"]({m.group(1) or '#'})", body)
+    body = re.sub(r"\]\((?!https?:|#|\.\./)([^)]+)\)", r"](results/\1)", body)
+    body = re.sub(r"\]\(\.\./", "](", body)
+    body = re.sub(r"^## ", "### ", body, flags=re.M)
+    return ["Hand-written overview, from [results/overview.md](results/overview.md):", "", *body.strip().split("\n"), ""]
+
+
+FOLDERS = [
+    "Every study folder under docs/results keeps its summaries (md, json, csv, png) and one `runs.json`: per "
+    "configuration and seed, each finished run's metrics.json (less its per-layer bytes), the map file it "
+    "trained and the first stock run's config (`python analysis/compact_runs.py DIR` writes it; the summary "
+    "scripts rewrite it whenever raw runs are present). The raw run folders (`runs/`, `logs/`, `maps/`, "
+    "Optuna `trials/` and `study.journal`) are not in git; the commands below make them again (hours of "
+    "CPU). The summaries regenerate from the tracked files alone, byte for byte "
+    "(`tests/test_budget_analysis.py`); `python analysis/compact_runs.py --restore-maps DIR` writes a "
+    "folder's map files back before a rerun.",
+    "",
+    "| folder | runs made by | summary by |",
+    "|---|---|---|",
+    "| [results/proof](results/proof/summary.md) | `python analysis/proof_2x2.py --out docs/results/proof "
+    "--epochs 4 --train-subset 20000 --workers 2` | `python analysis/proof_2x2_summary.py docs/results/proof` |",
+    "| [results/criterion_check](results/criterion_check/summary.md) | `python analysis/criterion_check.py "
+    "--out docs/results/criterion_check --workers 2` (maps: `--extra` files from `analysis/menu_maps.py`) "
+    "| `python analysis/criterion_summary.py docs/results/criterion_check` |",
+    "| [results/budget_proof](results/budget_proof/summary.md) | `python analysis/proof.py --out "
+    "docs/results/budget_proof --epochs 2 --train-subset 10000` (chosen maps from `analysis/menu_maps.py`) "
+    "| `python analysis/proof_summary.py docs/results/budget_proof` |",
+    "| [results/budget_proof_long](results/budget_proof_long/summary.md) | `python analysis/proof.py --out "
+    "docs/results/budget_proof_long --reuse docs/results/proof --configs chosen_4x4 int8_bn8 stock` "
+    "| `python analysis/proof_summary.py docs/results/budget_proof_long` |",
+    "| [results/speed_raw.md](results/speed_raw.md) | the `python benchmarks/speed.py ...` line heading "
+    "each output | [results/speed.md](results/speed.md) (hand-written) |",
+    "",
+]
+
+
 def build(args: argparse.Namespace) -> str:
     out = Path(args.out).resolve()
     docs = out.parent
@@ -281,6 +323,9 @@ def build(args: argparse.Namespace) -> str:
         "- **Weights.** Memory is measured on randomly initialised models (saved bytes do not depend on "
         "the weights); sensitivity/search use random-init gradients as a proxy.",
         "",
+        "## Overview of the measured results",
+        "",
+        *overview_section(results / "overview.md"),
         "## Saved-for-backward memory: stock vs lessmem",
         "",
         *mem_lines,
@@ -307,6 +352,9 @@ def build(args: argparse.Namespace) -> str:
         "",
         *embed_table(results / "vit_memory.md", docs),
         *embed_table(results / "vit_cifar.md", docs),
+        "## Result folders: what git keeps and the commands that remake the rest",
+        "",
+        *FOLDERS,
         "## Tooling: the same tables for any sweep or search",
         "",
         "- `python analysis/report.py <sweep-or-search-dir>`: `table.md`/`table.csv` (one row per "

@@ -14,17 +14,16 @@ import statistics
 import sys
 from pathlib import Path
 
+from compact_runs import by_seed, load
+
 CONFIGS = [("stock", "stock (no compression)"), ("pool2", "uniform 2x2"),
            ("greedy", "greedy sensitivity map"), ("adaptive", "adaptive schedule"),
            ("optuna", "Optuna accuracy-search map")]
 
 
-def load_runs(out: Path) -> dict[str, list[dict]]:
-    runs: dict[str, list[dict]] = {}
-    for name, _ in CONFIGS:
-        for path in sorted((out / "runs" / name).glob("seed*/metrics.json")):
-            runs.setdefault(name, []).append(json.loads(path.read_text()))
-    return runs
+def load_runs(table: dict) -> dict[str, list[dict]]:
+    """config -> its finished runs' metrics, in seed order."""
+    return {name: list(runs.values()) for name, _ in CONFIGS if (runs := by_seed(table, name))}
 
 
 def mean_std(xs: list[float]) -> tuple[float, float]:
@@ -52,7 +51,8 @@ def _welch_safe(a, b) -> tuple[float, float]:
 
 def summarize(out: Path) -> dict:
     out = Path(out)
-    runs = load_runs(out)
+    table = load(out)
+    runs = load_runs(table)
     rows, top1 = [], {}
     for name, label in CONFIGS:
         rs = runs.get(name, [])
@@ -84,7 +84,7 @@ def summarize(out: Path) -> dict:
             }
     result["ranking"] = ranking(out)
     result["search"] = search_info(out)
-    result["adaptive_maps"] = adaptive_maps(out)
+    result["adaptive_maps"] = adaptive_maps(table)
     (out / "summary.json").write_text(json.dumps(result, indent=1))
     plot_accuracy(rows, out / "accuracy.png")
     plot_curves(runs, out / "curves.png")
@@ -141,8 +141,8 @@ def search_info(out: Path) -> dict:
         with trials.open() as f:
             labels = {int(r["trial"]): r.get("seed", "") for r in csv.DictReader(f)}
         info["best_seed_label"] = labels.get(best) or None
-    if best is not None:
-        cfg = out / "search" / "trials" / f"{best:04d}" / "compression.yaml"
+    if best is not None:  # the best feasible trial is on the Pareto front, whose maps the search writes
+        cfg = out / "search" / "best_maps" / f"trial_{best:04d}.yaml"
         info["best_map_file"] = str(cfg.relative_to(out)) if cfg.is_file() else None
         import yaml
 
@@ -150,11 +150,9 @@ def search_info(out: Path) -> dict:
     return info
 
 
-def adaptive_maps(out: Path) -> dict:
-    maps = {}
-    for path in sorted((out / "runs" / "adaptive").glob("seed*/adaptive.jsonl")):
-        maps[path.parent.name] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return maps
+def adaptive_maps(table: dict) -> dict:
+    """seed<N> -> the maps the adaptive schedule chose in that run, epoch by epoch."""
+    return {f"seed{seed}": m["adaptive"] for seed, m in by_seed(table, "adaptive").items() if "adaptive" in m}
 
 
 def plot_accuracy(rows: list[dict], path: Path) -> None:

@@ -14,6 +14,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from compact_runs import by_seed
+from compact_runs import load as load_table
 from proof import CONFIGS, MENU, search_budgets
 
 from lessmem.sensitivity import MenuResult
@@ -21,13 +23,9 @@ from lessmem.sensitivity import MenuResult
 BUDGETS = {"2x2": "uniform 2x2's bytes", "4x4": "uniform 4x4's bytes", "0.15": "0.15x stock"}
 
 
-def load(out: Path) -> dict[str, dict[int, dict]]:
-    """config -> seed -> metrics.json of its finished runs."""
-    runs: dict[str, dict[int, dict]] = {}
-    for config in CONFIGS:
-        for path in sorted((out / "runs" / config).glob("seed*/metrics.json")):
-            runs.setdefault(config, {})[int(path.parent.name[4:])] = json.loads(path.read_text())
-    return runs
+def load(table: dict) -> dict[str, dict[int, dict]]:
+    """config -> seed -> metrics of its finished runs."""
+    return {config: runs for config in CONFIGS if (runs := by_seed(table, config))}
 
 
 def paired_t(diffs: list[float]) -> tuple[float, float]:
@@ -54,12 +52,14 @@ def budget_limit(runs: dict[str, dict[int, dict]], budget: str) -> float:
 
 
 def summarize(out: Path) -> dict:
-    runs = load(out)
+    table = load_table(out)
+    runs = load(table)
     stock = runs.get("stock", {})
     # Runs trained once for another study (same map, schedule and seed): run -> where from.
-    shared = {str(p.parent.relative_to(out / "runs")): p.read_text().strip()
-              for p in sorted((out / "runs").glob("*/seed*/REUSED"))}
-    result: dict = {"budgets": {}, "schedule": schedule(out), "shared_runs": shared, "searches": searches(out)}
+    shared = {f"{config}/seed{seed}": m["reused_from"] for config in sorted(table["runs"])
+              for seed, m in by_seed(table, config).items() if "reused_from" in m}
+    result: dict = {"budgets": {}, "schedule": schedule(table["stock_config"]), "shared_runs": shared,
+                    "searches": searches(out)}
     for budget in BUDGETS:
         limit = budget_limit(runs, budget)
         rows = []
@@ -117,14 +117,10 @@ def _fmt(v: float, spec: str = "+.2f") -> str:
     return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
-def schedule(out: Path) -> str:
-    """The training schedule, read from the first stock run's config.yaml."""
-    import yaml
-
-    configs = sorted((out / "runs" / "stock").glob("seed*/config.yaml"))
-    if not configs:
+def schedule(c: dict | None) -> str:
+    """The training schedule, from the first stock run's config."""
+    if not c:
         return "unknown (no stock run)"
-    c = yaml.safe_load(configs[0].read_text())
     opt, data = c.get("optimizer", {}), c.get("dataset", {})
     return (f"{c.get('model', {}).get('name')}, {c.get('epochs')} epochs on a balanced {data.get('train_subset')}-image "
             f"CIFAR-10 subset, batch {c.get('batch_size')}, {opt.get('name')} lr {opt.get('lr')}, "

@@ -254,8 +254,12 @@ def test_make_results_handles_missing_and_present(sweep: Path, tmp_path: Path) -
     (results / "resnet18_per_layer.csv").write_text("block,stock_bytes,compressed_bytes\nstem,100,50\nlayer1.0,80,20\n")
     out = tmp_path / "docs" / "RESULTS.md"
     common = ["--out", str(out), "--results", str(results), "--memory-csv", str(results / "memory.csv"), "--no-measure"]
+    (results / "overview.md").write_text("# Overview\n\nIntro.\n\nAll measured here.\n\n## Speed\n\n"
+                                         "[speed](speed.md), [above](../RESULTS.md#speed), ![plot](a/b.png), [up](../usage.md)\n")
     assert mk.main([*common, "--cifar", str(tmp_path / "nope")]) == 0
     text = out.read_text()
+    assert "All measured here.\n\n### Speed\n\n[speed](results/speed.md), [above](#speed), " \
+           "![plot](results/a/b.png), [up](usage.md)" in text and "Intro." not in text  # one level down, links from docs/
     assert "Pending: no runs" in text and "−29%" in text and "−36%" in text and "-44.6%" in text
     assert "not* CUDA peak" in text and "pending a GPU" in text
     valid_png(results / "memory_ratio.png")

@@ -1,11 +1,13 @@
 """analysis/criterion_summary.py and analysis/proof_summary.py on run directories made here: the
-ranking's sign convention, the paired differences and which uniform option is the reference."""
+ranking's sign convention, the paired differences and which uniform option is the reference; and
+every published summary regenerated from the tracked runs.json alone (analysis/compact_runs.py)."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,8 @@ from PIL import Image
 from lessmem.models import build_model
 from lessmem.sensitivity import measure_menu, write_map_yaml
 
-ANALYSIS = Path(__file__).parents[1] / "analysis"
+REPO = Path(__file__).parents[1]
+ANALYSIS = REPO / "analysis"
 
 
 def write_run(out: Path, config: str, seed: int, top1: float, ratio: float) -> None:
@@ -24,9 +27,19 @@ def write_run(out: Path, config: str, seed: int, top1: float, ratio: float) -> N
     (run / "metrics.json").write_text(json.dumps({"final_top1": top1 / 100, "ratio": ratio}))
 
 
+@pytest.fixture(autouse=True)
+def analysis_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ANALYSIS))  # the scripts import each other by module name
+
+
 def analysis(name: str, out: Path) -> None:
-    subprocess.run([sys.executable, str(ANALYSIS / f"{name}.py"), str(out)], check=True, cwd=ANALYSIS,
-                   capture_output=True)
+    importlib.import_module(name).summarize(out)
+
+
+def without_raw_runs(out: Path) -> None:
+    """What a checkout holds: runs.json and the summaries, no run folders or map files."""
+    shutil.rmtree(out / "runs")
+    shutil.rmtree(out / "maps", ignore_errors=True)
 
 
 def test_criterion_summary_ranks_a_perfect_predictor_first(tmp_path: Path) -> None:
@@ -49,6 +62,11 @@ def test_criterion_summary_ranks_a_perfect_predictor_first(tmp_path: Path) -> No
     assert "| whole-gradient relative error | +1.000 |" in (tmp_path / "summary.md").read_text()
     with Image.open(tmp_path / "scatter.png") as im:
         im.verify()
+    published = (tmp_path / "summary.json").read_text()
+    without_raw_runs(tmp_path)
+    analysis("criterion_summary", tmp_path)
+    assert (tmp_path / "summary.json").read_text() == published
+    assert len(list((tmp_path / "maps").glob("*.yaml"))) == 5  # restored from runs.json
 
 
 def test_proof_summary_pairs_seeds_against_stock_and_the_best_uniform(tmp_path: Path) -> None:
@@ -82,6 +100,53 @@ def test_proof_summary_pairs_seeds_against_stock_and_the_best_uniform(tmp_path: 
         (tmp_path / "summary.md").read_text()
     with Image.open(tmp_path / "frontier.png") as im:
         im.verify()
+    published = (tmp_path / "summary.json").read_text()
+    without_raw_runs(tmp_path)
+    analysis("proof_summary", tmp_path)
+    assert (tmp_path / "summary.json").read_text() == published
+
+
+def test_compact_runs_keeps_reuse_notes_adaptive_maps_and_the_stock_schedule(tmp_path: Path) -> None:
+    write_run(tmp_path, "stock", 1, 60.0, 1.0)
+    write_run(tmp_path, "stock", 0, 61.0, 1.0)
+    (tmp_path / "runs" / "stock" / "seed0" / "config.yaml").write_text("epochs: 3\n")
+    (tmp_path / "runs" / "stock" / "seed1" / "REUSED").write_text("copied from elsewhere\n")
+    write_run(tmp_path, "adaptive", 0, 59.0, 0.6)
+    (tmp_path / "runs" / "adaptive" / "seed0" / "adaptive.jsonl").write_text('{"epoch": 1}\n{"epoch": 2}\n')
+    (tmp_path / "runs" / "adaptive" / "seed0" / "metrics.json").write_text(
+        json.dumps({"final_top1": 0.59, "ratio": 0.6, "saved_bytes_per_layer": {"conv1": 1}}))
+    compact = importlib.import_module("compact_runs")
+    table = compact.compact(tmp_path)
+    assert list(compact.by_seed(table, "stock")) == [0, 1]
+    assert compact.by_seed(table, "stock")[1]["reused_from"] == "copied from elsewhere"
+    assert table["stock_config"] == {"epochs": 3}
+    adaptive = compact.by_seed(table, "adaptive")[0]
+    assert adaptive["adaptive"] == [{"epoch": 1}, {"epoch": 2}] and "saved_bytes_per_layer" not in adaptive
+    without_raw_runs(tmp_path)
+    assert compact.load(tmp_path) == table
+    assert compact.main([]) == 2 and compact.main([str(tmp_path)]) == 2  # nothing given / no runs/ to compact
+
+
+PUBLISHED = {"budget_proof": "proof_summary", "budget_proof_long": "proof_summary",
+             "criterion_check": "criterion_summary", "proof": "proof_2x2_summary"}
+
+
+@pytest.mark.parametrize("folder", PUBLISHED)
+def test_published_summaries_regenerate_from_tracked_files(folder: str, tmp_path: Path) -> None:
+    """docs/results/<folder>/summary.md and .json come back byte for byte from the files git tracks
+    (runs.json, the menu, the searches' summaries): the raw run folders are not needed."""
+    tracked = subprocess.run(["git", "ls-files", f"docs/results/{folder}"], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    for name in tracked:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / name, tmp_path / name)
+    out = tmp_path / "docs" / "results" / folder
+    assert not (out / "runs").exists()
+    analysis(PUBLISHED[folder], out)
+    for name in ("summary.md", "summary.json"):
+        assert (out / name).read_text() == (REPO / "docs" / "results" / folder / name).read_text(), name
 
 
 def test_a_proof_directory_reads_as_runs_not_as_a_search(tmp_path: Path) -> None:
@@ -99,11 +164,7 @@ def test_proof_driver_trains_each_search_best_map_after_its_search(tmp_path: Pat
     first, at the ratio the menu predicts for uniform 4x4) and trains that search's best map."""
     import argparse
 
-    sys.path.insert(0, str(ANALYSIS))
-    try:
-        import proof
-    finally:
-        sys.path.remove(str(ANALYSIS))
+    proof = importlib.import_module("proof")
     torch.manual_seed(0)
     menu = measure_menu(build_model("resnet20", num_classes=10).train(), [(torch.randn(2, 3, 32, 32), torch.tensor([0, 1]))],
                         kernels=(1, 2, 4), storages=("native", "int8"), norm_storages=("int8",), act_storages=())
