@@ -12,10 +12,13 @@ import torchvision
 from torch import nn
 
 import lessmem
+from lessmem.core import set_rounding_seed
 from lessmem.core.memory import saved_tensors_of
 
 
 def grads_of(model: nn.Module, params_of: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Input and parameter gradients of one step, from the same rounding noise each call."""
+    set_rounding_seed(0)
     params_of.zero_grad(set_to_none=True)
     xx = x.clone().requires_grad_(True)
     model(xx).square().mean().backward()

@@ -162,9 +162,10 @@ def test_parameters_and_inputs_are_left_alone() -> None:
 def test_checkpointing_sees_the_packed_tensors() -> None:
     """Modules inside a checkpointed block (HF checkpoints each decoder layer inside its hooks:
     its children are inside) hand their packed parts to checkpoint's hooks, and the recomputed
-    forward packs the same way: the gradients equal an uncheckpointed lossy run's."""
+    forward packs the same way: the gradients equal an uncheckpointed lossy run's (rounded to
+    nearest: the recomputed forward draws noise of its own)."""
     model, ids = build("hf_llama")
-    lessmem.compress(model, None, saved_storage={"model.layers.*.*": "int8"})
+    lessmem.compress(model, None, saved_storage={"model.layers.*.*": "int8_rn"})
     plain = loss_and_grads(model, ids)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     loss, grads = loss_and_grads(model, ids)

@@ -29,6 +29,7 @@ from lessmem.core.step_memory import (
 )
 from lessmem.core.storage import (
     STORAGES,
+    UNBIASED_STORAGES,
     TensorMeta,
     describe_storage,
     pack_tensor,
@@ -40,6 +41,7 @@ from lessmem.core.storage import (
 __all__ = [
     "FIXED_MMAP_ENV",
     "STORAGES",
+    "UNBIASED_STORAGES",
     "TensorMeta",
     "CoverageReport",
     "LayerSpec",

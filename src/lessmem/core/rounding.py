@@ -46,8 +46,12 @@ def next_key() -> int:
     return int(key)
 
 
+def noise_hashes(n: int, key: int, device: torch.device | str = "cpu") -> Tensor:
+    """Element i's hash, hash32((i + key) mod 2^32), for i in [0, n) (int64)."""
+    i = torch.arange(n, dtype=torch.int64, device=device)
+    return hash32((i + key) & MASK32)
+
+
 def uniform_noise(n: int, key: int, device: torch.device | str = "cpu") -> Tensor:
     """n float32 values in [0, 1): element i is hash32((i + key) mod 2^32) >> 8, times 2^-24."""
-    i = torch.arange(n, dtype=torch.int64, device=device)
-    h = hash32((i + key) & MASK32)
-    return (h >> 8).to(torch.float32).mul_(2.0**-24)
+    return (noise_hashes(n, key, device) >> 8).to(torch.float32).mul_(2.0**-24)

@@ -48,6 +48,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from lessmem.core.functions.kept_input import VIEW_OPS
 from lessmem.core.memory import byte_range, storage_key
 from lessmem.core.storage import (
+    BFLOAT16,
     Storage,
     TensorMeta,
     pack_tensor,
@@ -145,7 +146,7 @@ class _Hooks:
             not t.is_floating_point()
             or t.layout != torch.strided
             or t.numel() < MIN_ELEMENTS
-            or (self.storage == "bf16" and t.element_size() <= 2)
+            or (self.storage in BFLOAT16 and t.element_size() <= 2)
             or (self.in_layer and t.grad_fn is None and not t.requires_grad)
             or storage_key(t) in self.held
             or _is_parameter(t)

@@ -4,9 +4,25 @@
 Groups run over the tensor's memory order (for a channels-last image, over channels at a pixel;
 for a contiguous one, along a row of a channel plane; for tokens, along the features of a token):
 ``GROUP`` consecutive elements, the last group padded with the last element. Each group keeps its
-min and scale as float32 (8 bytes per 128 elements, 0.5 bit per element). 8-bit codes round to
-nearest; 4, 2 and 1-bit codes round stochastically and unbiased (E[decoded] = x), with the noise
-of ``rounding``. Codes below 8 bits are packed 8 // b to a byte, the first code in the low bits.
+min and scale as float32 (8 bytes per 128 elements, 0.5 bit per element). Codes below 8 bits are
+packed 8 // b to a byte, the first code in the low bits.
+
+Every lossy storage of the menu rounds stochastically and unbiased (E[decoded] = x), with the
+seeded counter noise of ``rounding``: b-bit codes add uniform noise in [0, 1) before the floor;
+``bf16`` adds 16 random bits below a float32's top 16 and truncates (the float32 of a float64 is
+rounded to nearest first). Biased rounding costs accuracy (issue 31: int8 rounded to nearest
++5.0% val_ppl on a tiny Llama, int4 stochastic +1.1%), so round-to-nearest is only there by name:
+
+=========  =====================================  ==============
+storage    keeps                                  rounding
+=========  =====================================  ==============
+native     the tensor itself                      exact
+bf16       bfloat16 copy (16 bits per element)    stochastic
+int8..1    b-bit codes + min, scale per group     stochastic
+bf16_rn    bfloat16 copy                          to nearest even
+int8_rn    8-bit codes + min, scale per group     to nearest even
+=========  =====================================  ==============
+
 The fused kernels (C++ on CPU, ``kernels.cpu``; Triton on CUDA, ``kernels.triton``) quantize and
 decode in one pass each, with the same bits as the torch reference here.
 
@@ -23,11 +39,15 @@ from torch import Tensor
 from lessmem.core.kernels import cpu as cpu_kernels
 from lessmem.core.kernels import triton as triton_kernels
 from lessmem.core.layout import flat_memory_order
-from lessmem.core.rounding import next_key, uniform_noise
+from lessmem.core.rounding import MASK32, next_key, noise_hashes, uniform_noise
 
-Storage = Literal["native", "bf16", "int8", "int4", "int2", "int1"]
-STORAGES: tuple[str, ...] = ("native", "bf16", "int8", "int4", "int2", "int1")
-BITS: dict[str, int] = {"int8": 8, "int4": 4, "int2": 2, "int1": 1}
+Storage = Literal["native", "bf16", "int8", "int4", "int2", "int1", "bf16_rn", "int8_rn"]
+# The menu: exact, or unbiased at every width.
+UNBIASED_STORAGES: tuple[str, ...] = ("native", "bf16", "int8", "int4", "int2", "int1")
+ROUND_TO_NEAREST: tuple[str, ...] = ("bf16_rn", "int8_rn")
+STORAGES: tuple[str, ...] = UNBIASED_STORAGES + ROUND_TO_NEAREST
+BITS: dict[str, int] = {"int8": 8, "int4": 4, "int2": 2, "int1": 1, "int8_rn": 8}
+BFLOAT16: tuple[str, ...] = ("bf16", "bf16_rn")  # the storages that keep a bfloat16 copy
 GROUP = 128
 RANGE_BYTES = 8  # float32 min and scale per group
 FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # what the kernels take
@@ -48,17 +68,18 @@ def check_storage(storage: str) -> Storage:
 
 
 def is_stochastic(storage: str) -> bool:
-    return BITS.get(storage, 8) < 8
+    return check_storage(storage) not in ("native", *ROUND_TO_NEAREST)
 
 
 def describe_storage(storage: str) -> str:
     """One line on what ``storage`` keeps (``lessmem-info`` lists the menu with these)."""
     if storage == "native":
         return "the tensor itself (exact)"
-    if storage == "bf16":
-        return "a bfloat16 copy (16 bits per element)"
-    bits = BITS[check_storage(storage)]
-    rounding = "rounded to nearest" if bits == 8 else "stochastic unbiased rounding, seeded by the run"
+    rounding = ("stochastic unbiased rounding, seeded by the run" if is_stochastic(storage)
+                else "rounded to nearest (biased; the unbiased default drops the _rn)")
+    if storage in BFLOAT16:
+        return f"a bfloat16 copy (16 bits per element), {rounding}"
+    bits = BITS[storage]
     return (f"{bits}-bit codes, min and scale per {GROUP} elements in memory order "
             f"({bits + RANGE_BYTES * 8 / GROUP:g} bits per element), {rounding}")
 
@@ -67,7 +88,7 @@ def stored_bytes(numel: int, storage: str, element_size: int) -> int:
     """Bytes ``pack_tensor`` keeps for a tensor of ``numel`` elements of ``element_size`` bytes."""
     if storage == "native":
         return numel * element_size
-    if storage == "bf16":
+    if storage in BFLOAT16:
         return numel * 2
     groups = -(-numel // GROUP)
     return groups * GROUP * BITS[storage] // 8 + groups * RANGE_BYTES
@@ -87,15 +108,38 @@ def pack_tensor(x: Tensor, storage: Storage) -> tuple[Tensor, ...]:
     """The tensors that stand for ``x`` in ``storage``: (x,), (bf16 copy,), or (codes, min, scale)."""
     if storage == "native":
         return (x,)
-    if storage == "bf16":
+    if storage == "bf16_rn" or (storage == "bf16" and x.dtype == torch.bfloat16):  # x is its own copy
         return (x.to(torch.bfloat16),)
-    bits = BITS[storage]
-    flat = _flat(x, tensor_meta(x).channels_last)
-    key = next_key() if bits < 8 else 0
+    meta = tensor_meta(x)
+    flat = _flat(x, meta.channels_last)
+    stochastic = is_stochastic(storage)
+    key = next_key() if stochastic else 0
     fused = _fused_group_kernels(flat) if flat.dtype in FUSED_DTYPES else None
+    if storage == "bf16":
+        rounded = fused.round_bf16(flat.contiguous(), key) if fused is not None else _round_bf16_reference(flat, key)
+        return (_unflat(rounded, meta),)
     if fused is not None:  # one fused pass, the reference's bits
-        return fused.quantize_groups(flat.contiguous(), bits, key)
-    return _quantize_reference(flat, bits, key)
+        return fused.quantize_groups(flat.contiguous(), BITS[storage], key, stochastic)
+    return _quantize_reference(flat, BITS[storage], key, stochastic)
+
+
+def _round_bf16_reference(flat: Tensor, key: int) -> Tensor:
+    """bfloat16 of ``flat``, rounded stochastically: element i's float32 bits plus the top 16 bits
+    of its noise hash, truncated to the top 16 (a carry rounds the magnitude up with probability
+    the dropped fraction, as linear within a binade); NaN becomes the quiet NaN 0x7FC0."""
+    f = flat.to(torch.float32)
+    bits = f.view(torch.int32).to(torch.int64) & MASK32
+    top = (bits + (noise_hashes(f.numel(), key, f.device) >> 16)) >> 16
+    top = torch.where(f.isnan(), 0x7FC0, top)
+    return (top - ((top >> 15) << 16)).to(torch.int16).view(torch.bfloat16)  # as signed 16-bit words
+
+
+def _unflat(flat: Tensor, meta: TensorMeta) -> Tensor:
+    """A tensor of ``meta``'s shape (and layout) whose memory order holds ``flat``."""
+    if meta.channels_last:
+        n, c, h, w = meta.shape
+        return flat.view(n, h, w, c).permute(0, 3, 1, 2)
+    return flat.view(meta.shape)
 
 
 def _fused_group_kernels(t: Tensor):
@@ -103,7 +147,7 @@ def _fused_group_kernels(t: Tensor):
     return next((k for k in (triton_kernels, cpu_kernels) if k.enabled_for(t)), None)
 
 
-def _quantize_reference(flat: Tensor, bits: int, key: int) -> tuple[Tensor, Tensor, Tensor]:
+def _quantize_reference(flat: Tensor, bits: int, key: int, stochastic: bool) -> tuple[Tensor, Tensor, Tensor]:
     pad = -flat.numel() % GROUP
     if pad:
         flat = torch.cat([flat, flat[-1:].expand(pad)])
@@ -114,7 +158,7 @@ def _quantize_reference(flat: Tensor, bits: int, key: int) -> tuple[Tensor, Tens
     # (an ulp off in most groups), and the scale is to be the same on every device and kernel.
     scale = (groups.amax(dim=1, keepdim=True) - lo).clamp_min_(1e-20).div_(lo.new_full((1, 1), levels))
     q = (groups - lo).div_(scale)
-    if bits < 8:
+    if stochastic:
         q.add_(uniform_noise(q.numel(), key, q.device).view_as(q)).floor_()
     else:
         q.round_()
@@ -131,7 +175,7 @@ def unpack_tensor(packed: tuple[Tensor, ...] | list[Tensor], storage: Storage, m
     """The tensor ``pack_tensor`` stored, decoded to ``meta``'s shape, dtype and layout."""
     if storage == "native":
         return packed[0]
-    if storage == "bf16":
+    if storage in BFLOAT16:
         return packed[0].to(meta.dtype)
     codes, lo, scale = packed
     bits = BITS[storage]
@@ -152,8 +196,4 @@ def _dequantize_reference(codes: Tensor, lo: Tensor, scale: Tensor, bits: int, m
     numel = 1
     for s in meta.shape:
         numel *= s
-    flat = values.reshape(-1)[:numel].to(meta.dtype)
-    if meta.channels_last:
-        n, c, h, w = meta.shape
-        return flat.view(n, h, w, c).permute(0, 3, 1, 2)
-    return flat.view(meta.shape)
+    return _unflat(values.reshape(-1)[:numel].to(meta.dtype), meta)

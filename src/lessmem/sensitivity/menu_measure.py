@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from lessmem.core import (
     STORAGES,
+    UNBIASED_STORAGES,
     compress,
     kept_by_graph,
     load_rounding_state,
@@ -53,7 +54,7 @@ def measure_menu(
     model: nn.Module,
     batches: Iterable[Batch],
     kernels: Sequence[int] = DEFAULT_KERNELS,
-    storages: Sequence[str] = STORAGES,
+    storages: Sequence[str] = UNBIASED_STORAGES,
     norm_storages: Sequence[str] = LOSSY_STORAGES,
     act_storages: Sequence[str] = LOSSY_STORAGES,
     loss_fn: Callable[[Tensor, Tensor | None], Tensor] | None = None,

@@ -18,7 +18,7 @@ from lessmem.core.functions.linear import linear_grads
 from lessmem.core.functions.masks import clamp_and_pack, masked_grad
 from lessmem.core.functions.pooling import expand_tokens, pool_blocks
 from lessmem.core.layout import format_of
-from lessmem.core.storage import pack_tensor
+from lessmem.core.storage import BFLOAT16, pack_tensor
 
 
 @torch.library.custom_op("lessmem::pool_blocks", mutates_args=())
@@ -30,7 +30,7 @@ def pool_blocks_op(x: Tensor, kernel: list[int], storage: str) -> Tensor:
 @pool_blocks_op.register_fake
 def _(x, kernel, storage):
     n, c, h, w = x.shape
-    dtype = torch.bfloat16 if storage == "bf16" else x.dtype
+    dtype = torch.bfloat16 if storage in BFLOAT16 else x.dtype
     return x.new_empty((n, c, -(-h // kernel[0]), -(-w // kernel[1])), dtype=dtype).contiguous(
         memory_format=format_of(x))
 

@@ -14,7 +14,7 @@ pool (AVX2 paths for float32 in the AVX2 build):
   copy costs more than the gradient).
 - ``quantize_groups`` / ``dequantize_groups``: the b-bit storages of ``storage`` (min, scale,
   noise, rounding and packing per group of 128 in one pass, and back), bit-identical to its
-  torch reference.
+  torch reference; ``round_bf16``: its stochastic bfloat16, bit-identical too.
 
 Same bit layout as ``functions.masks.pack_bits`` (element i of each group of 8, in memory order,
 in bit i). The C++ lives in ``csrc/``; ``cpu_build`` compiles it the first time a compressed model
@@ -113,10 +113,15 @@ def max_pool_compact_backward(grad: Tensor, local: Tensor, kernel, stride, paddi
     return _module.max_pool_compact_backward(grad.contiguous(), local, *kernel, *stride, *padding, *dilation, *in_hw)
 
 
-def quantize_groups(flat: Tensor, bits: int, key: int) -> tuple[Tensor, Tensor, Tensor]:
+def quantize_groups(flat: Tensor, bits: int, key: int, stochastic: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(codes packed 8 // bits per byte, float32 min and scale per group of 128) of a 1-d
-    contiguous tensor; ``key`` seeds the rounding noise below 8 bits."""
-    return tuple(_module.quantize_groups(flat, bits, key))
+    contiguous tensor; ``key`` seeds the rounding noise (to nearest when not ``stochastic``)."""
+    return tuple(_module.quantize_groups(flat, bits, key, stochastic))
+
+
+def round_bf16(flat: Tensor, key: int) -> Tensor:
+    """bfloat16 of a 1-d contiguous tensor, rounded stochastically with ``key``'s noise."""
+    return _module.round_bf16(flat, key)
 
 
 def dequantize_groups(codes: Tensor, lo: Tensor, scale: Tensor, bits: int, out: Tensor) -> Tensor:

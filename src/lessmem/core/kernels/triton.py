@@ -7,7 +7,8 @@ five passes over memory per activation; these kernels make one each way:
 - ``masked_grad(grad, packed, channels_last)``: grad where the bit is set, else 0, one read of grad.
 - ``quantize_groups`` / ``dequantize_groups``: the b-bit storages of ``storage`` (min, scale,
   noise, rounding and packing per group of 128 in one launch, and back), bit-identical to its
-  torch reference and to the C++ kernels of ``kernels.cpu``.
+  torch reference and to the C++ kernels of ``kernels.cpu``; ``round_bf16``: its stochastic
+  bfloat16, bit-identical too.
 
 Bit layout is that of ``functions.masks.pack_bits`` (element i of each group of 8, in memory
 order, in bit i), so packed masks from either path are interchangeable. Used for CUDA tensors
@@ -95,9 +96,12 @@ if triton is not None:
         b = tl.where(v != v, 0x7FC0, b)
         return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
-    @triton.jit
+    # key: a Python int in [0, 2^32), passed as int32 or int64 by its size; cast to uint32 for
+    # the wrapping sum (and never specialized: a key of 1 would become a constant)
+    @triton.jit(do_not_specialize=["key"])
     def _quantize_kernel(x_ptr, codes_ptr, lo_ptr, scale_ptr, n, key,
-                         BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr):
+                         BITS: tl.constexpr, STOCHASTIC: tl.constexpr, GROUP: tl.constexpr,
+                         GROUPS: tl.constexpr):
         # a tile of GROUPS groups as (group, packed byte, code in the byte): the packing is a sum
         # over the last axis; every float operation is the reference's, in its order (no FMA)
         PER_BYTE: tl.constexpr = 8 // BITS
@@ -114,8 +118,8 @@ if triton is not None:
         # div_rn: the plain float division of Triton is approximate on the GPU
         scale = tl.math.div_rn(tl.maximum(hi - lo, 1e-20), tl.full(lo.shape, LEVELS, tl.float32))
         q = tl.math.div_rn(x - lo[:, None, None], scale[:, None, None])
-        if BITS < 8:
-            noise = (_hash32(index.to(tl.uint32) + key) >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
+        if STOCHASTIC:
+            noise = (_hash32(index.to(tl.uint32) + key.to(tl.uint32)) >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
             q = tl.floor(q + noise)
         else:
             # round half to even (0 <= q < 2^23: adding 2^23 leaves no fraction bits)
@@ -126,6 +130,16 @@ if triton is not None:
                  mask=live[:, None])
         tl.store(lo_ptr + group, lo, mask=live)
         tl.store(scale_ptr + group, scale, mask=live)
+
+    @triton.jit(do_not_specialize=["key"])
+    def _round_bf16_kernel(x_ptr, out_ptr, n, key, BLOCK: tl.constexpr):
+        # storage's stochastic bfloat16: the float32 bits plus 16 bits of noise, truncated
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < n
+        x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        b = (x.to(tl.uint32, bitcast=True) + (_hash32(offs.to(tl.uint32) + key.to(tl.uint32)) >> 16)) >> 16
+        b = tl.where(x != x, 0x7FC0, b)
+        tl.store(out_ptr + offs, b.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=inside)
 
     @triton.jit
     def _dequantize_kernel(codes_ptr, lo_ptr, scale_ptr, out_ptr, n,
@@ -173,18 +187,26 @@ def masked_grad(grad: Tensor, bits: Tensor, channels_last: bool) -> Tensor:
     return out
 
 
-def quantize_groups(flat: Tensor, bits: int, key: int) -> tuple[Tensor, Tensor, Tensor]:
+def quantize_groups(flat: Tensor, bits: int, key: int, stochastic: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(codes packed 8 // bits per byte, float32 min and scale per group of 128) of a 1-d
-    contiguous tensor; ``key`` seeds the rounding noise below 8 bits."""
+    contiguous tensor; ``key`` seeds the rounding noise (to nearest when not ``stochastic``)."""
     n = flat.numel()
     groups = triton.cdiv(n, GROUP)
     codes = torch.empty(groups * GROUP * bits // 8, dtype=torch.uint8, device=flat.device)
     lo = torch.empty(groups, dtype=torch.float32, device=flat.device)
     scale = torch.empty_like(lo)
     grid = (triton.cdiv(groups, GROUPS_PER_PROGRAM),)
-    _quantize_kernel[grid](flat, codes, lo, scale, n, key, BITS=bits, GROUP=GROUP, GROUPS=GROUPS_PER_PROGRAM,
-                           enable_fp_fusion=False)
+    _quantize_kernel[grid](flat, codes, lo, scale, n, key, BITS=bits, STOCHASTIC=stochastic, GROUP=GROUP,
+                           GROUPS=GROUPS_PER_PROGRAM, enable_fp_fusion=False)
     return codes, lo, scale
+
+
+def round_bf16(flat: Tensor, key: int) -> Tensor:
+    """bfloat16 of a 1-d contiguous tensor, rounded stochastically with ``key``'s noise."""
+    out = torch.empty(flat.numel(), dtype=torch.bfloat16, device=flat.device)
+    grid = (triton.cdiv(flat.numel(), BLOCK_BYTES * 8),)
+    _round_bf16_kernel[grid](flat, out, flat.numel(), key, BLOCK=BLOCK_BYTES * 8)
+    return out
 
 
 def dequantize_groups(codes: Tensor, lo: Tensor, scale: Tensor, bits: int, out: Tensor) -> Tensor:

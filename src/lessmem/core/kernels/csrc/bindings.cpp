@@ -11,5 +11,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("max_pool_compact", &max_pool_compact, "max_pool2d and the uint8 argmax position in each window");
   m.def("max_pool_compact_backward", &max_pool_compact_backward, "gradient of max_pool_compact");
   m.def("quantize_groups", &quantize_groups, "b-bit codes, min and scale of each group of 128 elements");
+  m.def("round_bf16", &round_bf16, "bfloat16 of x, rounded stochastically with the hash noise");
   m.def("dequantize_groups", &dequantize_groups, "the values quantize_groups stored, into out");
 }

@@ -27,5 +27,6 @@ at::Tensor max_pool_compact_backward(at::Tensor grad, at::Tensor local, int64_t 
                                      int64_t dw, int64_t H, int64_t W);
 
 // quantize.cpp
-std::vector<at::Tensor> quantize_groups(at::Tensor x, int64_t bits, int64_t key);
+std::vector<at::Tensor> quantize_groups(at::Tensor x, int64_t bits, int64_t key, bool stochastic);
+at::Tensor round_bf16(at::Tensor x, int64_t key);
 at::Tensor dequantize_groups(at::Tensor codes, at::Tensor lo, at::Tensor scale, int64_t bits, at::Tensor out);

@@ -1,6 +1,6 @@
 // b-bit group quantization (lessmem.core.storage): one pass per group of GROUP elements for the
-// min and max, the scale, the rounding (stochastic with lessmem.core.rounding's hash noise below
-// 8 bits, to nearest at 8) and the packing; and one pass back. Every float operation is the one
+// min and max, the scale, the rounding (stochastic with lessmem.core.rounding's hash noise, or to
+// nearest for int8_rn) and the packing; and one pass back. And bf16 storage's stochastic rounding. Every float operation is the one
 // the torch reference makes, in the same order and precision, so codes, min, scale and decoded
 // values are bit-identical to it (the build turns off FMA contraction for this).
 
@@ -150,12 +150,11 @@ float* float_view(scalar_t* p) {
 // x: flat, memory order, n > 0 elements; groups of GROUP, the last padded with x[n - 1].
 // Returns (codes packed 8 / bits to a byte, float32 min per group, float32 scale per group);
 // noise of element i (of the padded array) is hash32((i + key) mod 2^32) >> 8 times 2^-24.
-std::vector<at::Tensor> quantize_groups(at::Tensor x, int64_t bits, int64_t key) {
+std::vector<at::Tensor> quantize_groups(at::Tensor x, int64_t bits, int64_t key, bool stochastic) {
   const int64_t n = x.numel(), groups = (n + GROUP - 1) / GROUP;
   auto codes = at::empty({groups * GROUP * bits / 8}, x.options().dtype(at::kByte));
   auto lo = at::empty({groups}, x.options().dtype(at::kFloat));
   auto scale = at::empty({groups}, x.options().dtype(at::kFloat));
-  const bool stochastic = bits < 8;
   const float levels = static_cast<float>((1 << bits) - 1);
   const uint32_t key32 = static_cast<uint32_t>(key);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_groups", [&] {
@@ -206,6 +205,28 @@ at::Tensor dequantize_groups(at::Tensor codes, at::Tensor lo, at::Tensor scale, 
         if (dst == nullptr) {
           for (int64_t j = 0; j < valid; ++j) op[start + j] = static_cast<scalar_t>(vs[j]);
         }
+      }
+    });
+  });
+  return out;
+}
+
+// x: flat, memory order. bfloat16 words of x rounded stochastically: element i's float32 bits plus
+// hash32((i + key) mod 2^32) >> 16, truncated to the top 16 bits; NaN becomes 0x7FC0.
+at::Tensor round_bf16(at::Tensor x, int64_t key) {
+  const int64_t n = x.numel();
+  auto out = at::empty({n}, x.options().dtype(at::kBFloat16));
+  const uint32_t key32 = static_cast<uint32_t>(key);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "round_bf16", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    at::parallel_for(0, n, GRAIN * GROUP, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const float f = static_cast<float>(xp[i]);
+        uint32_t b;
+        std::memcpy(&b, &f, sizeof b);
+        const uint32_t noise = hash32(static_cast<uint32_t>(i) + key32) >> 16;
+        op[i] = std::isnan(f) ? uint16_t{0x7FC0} : static_cast<uint16_t>((b + noise) >> 16);
       }
     });
   });
