@@ -7,8 +7,8 @@ import bisect
 from dataclasses import dataclass
 
 import torch
-from torch.profiler._memory_profiler import Action, MemoryProfile, TensorKey
 from torch._C._profiler import _EventType
+from torch.profiler._memory_profiler import Action, MemoryProfile, TensorKey
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ from lessmem.core.functions.pooling import expand_blocks, pooled_once
 from lessmem.core.kernels import cpu as cpu_kernels
 from lessmem.core.layout import format_of
 
-
 # Output-gradient elements from which a layer with no input gradient takes its weight gradient in
 # batch slices, and the slice size: a few MiB of scratch instead of a full-size one.
 CHUNKED_WEIGHT_GRAD_MIN = 2**22
