@@ -40,7 +40,9 @@ import lessmem
 from lessmem.core import training_step
 from lessmem.models import build_model
 
-CONFIGS: dict[str, dict[str, int] | None] = {"stock": None, "2x2": {"*": 2}, "4x4": {"*": 4}}
+CONFIGS: dict[str, dict[str, int | str] | None] = {
+    "stock": None, "2x2": {"*": 2}, "4x4": {"*": 4}, "int2+int4bn": {"*": "int2"}, "int1+int2bn": {"*": "int1"}}
+NORM_STORAGE = {"int2+int4bn": "int4", "int1+int2bn": "int2"}  # BatchNorm inputs of the low-bit maps
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 NUM_CLASSES = 1000
 MIB = 2**20
@@ -107,7 +109,7 @@ def measure_step(stock: nn.Module, config: str, mode: str, precision: str, data:
     CPU so that the device holds only this configuration's model."""
     model = copy.deepcopy(stock).to(args.device)
     if CONFIGS[config] is not None:
-        lessmem.compress(model, CONFIGS[config])
+        lessmem.compress(model, CONFIGS[config], norm_storage=NORM_STORAGE.get(config, "native"))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     net = torch.compile(model) if mode == "compile" else model
     amp_dtype = PRECISIONS[precision]

@@ -35,7 +35,9 @@ import lessmem
 from lessmem.core import FIXED_MMAP_ENV, peak_rss_growth, training_step
 from lessmem.models import build_model
 
-CONFIGS: dict[str, dict[str, int] | None] = {"stock": None, "2x2": {"*": 2}, "4x4": {"*": 4}}
+CONFIGS: dict[str, dict[str, int | str] | None] = {
+    "stock": None, "2x2": {"*": 2}, "4x4": {"*": 4}, "int2+int4bn": {"*": "int2"}, "int1+int2bn": {"*": "int1"}}
+NORM_STORAGE = {"int2+int4bn": "int4", "int1+int2bn": "int2"}  # BatchNorm inputs of the low-bit maps
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
@@ -54,7 +56,7 @@ def measure(model_name: str, optimizer_name: str, config: str, batch: int, size:
     torch.manual_seed(0)
     model = build_model(model_name, NUM_CLASSES)
     if CONFIGS[config] is not None:
-        lessmem.compress(model, CONFIGS[config])
+        lessmem.compress(model, CONFIGS[config], norm_storage=NORM_STORAGE.get(config, "native"))
     optimizer = OPTIMIZERS[optimizer_name](model.parameters())
     data = (torch.randn(batch, 3, size, size), torch.randint(0, NUM_CLASSES, (batch,)))
     report = lessmem.measure_step_memory(model, data, optimizer=optimizer)

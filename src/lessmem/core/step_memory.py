@@ -19,13 +19,15 @@ import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.profiler._memory_profiler import Action, Category, MemoryProfile, TensorKey
+
+from lessmem.core.peak_tensors import LiveTensor, live_at_peak
 
 # torch's categories under the names the report uses. "autograd_detail": tensors made in the
 # backward pass that are not parameter gradients (the gradients of activations in flight);
@@ -55,6 +57,7 @@ class StepMemoryReport:
     phase: str | None  # training_step's phase at the profiled peak; None for other steps
     device: str
     method: str  # what peak_bytes reads
+    live: list[LiveTensor] = field(default_factory=list)  # alive at the profiled peak, largest first
 
     def ratio_to(self, baseline: StepMemoryReport) -> float:
         return self.peak_bytes / baseline.peak_bytes if baseline.peak_bytes else float("nan")
@@ -143,6 +146,7 @@ def track_step_memory(device: torch.device | str) -> Iterator[StepMemoryTracker]
             torch.cuda.synchronize(device)
     memory_profile = prof._memory_profile()
     peak, by_category, start, peak_time = _timeline_peak(memory_profile, device)
+    categories = memory_profile._categories
     tracker.report = StepMemoryReport(
         peak_bytes=torch.cuda.max_memory_allocated(device) if on_cuda else peak,
         by_category=by_category,
@@ -150,6 +154,8 @@ def track_step_memory(device: torch.device | str) -> Iterator[StepMemoryTracker]
         phase=_phase_at(memory_profile, peak_time),
         device=str(device),
         method="torch.cuda.max_memory_allocated" if on_cuda else "profiler: CPU tensor allocations",
+        live=live_at_peak(memory_profile, device, peak_time,
+                          lambda key, version: CATEGORY_NAMES[categories.get(key, version)]),
     )
 
 

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from lessmem.core.storage import pack_tensor, tensor_meta, unpack_tensor
+from lessmem.core.functions.owned_grad import grad_target, handed_to, owns
+from lessmem.core.functions.packed_chunks import sliceable, unpack_samples
+from lessmem.core.storage import Storage, TensorMeta, pack_tensor, tensor_meta, unpack_tensor
+
+# Elements decoded at a time in the chunked backward: a few MiB, far below a full-size tensor.
+CHUNK_ELEMENTS = 2**21
 
 
 class StoredBatchNormFunction(torch.autograd.Function):
@@ -12,6 +18,11 @@ class StoredBatchNormFunction(torch.autograd.Function):
 
     Approximate: the input gradient uses the dequantized input, so error propagation is no longer
     exact. Opt-in through ``norm_storage``.
+
+    Backward decodes the input a few samples at a time (``chunked_batch_norm_backward``) and
+    writes the input gradient over the incoming one where this node owns it, so no full-size
+    decoded copy or scratch buffer is alive; where samples do not start on a code group (or the
+    input is not 4-d) it decodes the whole input for torch's kernel, as before.
     """
 
     @staticmethod
@@ -21,14 +32,53 @@ class StoredBatchNormFunction(torch.autograd.Function):
         )
         ctx.save_for_backward(weight, mean, invstd, *pack_tensor(x.detach(), storage))
         ctx.eps, ctx.storage, ctx.meta = eps, storage, tensor_meta(x)
+        ctx.grad_target = grad_target(x)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         weight, mean, invstd, *packed = ctx.saved_tensors
-        x = unpack_tensor(packed, ctx.storage, ctx.meta)
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]]
+        if len(ctx.meta.shape) == 4 and sliceable(ctx.meta, ctx.storage):
+            gx, gw, gb = chunked_batch_norm_backward(
+                grad, packed, ctx.storage, ctx.meta, weight, mean, invstd, mask, owns(ctx, grad))
+            return handed_to(gx, ctx.grad_target), gw, gb, None, None, None, None, None
+        x = unpack_tensor(packed, ctx.storage, ctx.meta)
         gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
             grad.contiguous(), x, weight, None, None, mean, invstd, True, ctx.eps, mask
         )
         return gx, gw, gb, None, None, None, None, None
+
+
+def chunked_batch_norm_backward(grad: Tensor, packed, storage: Storage, meta: TensorMeta, weight: Tensor,
+                                mean: Tensor, invstd: Tensor, mask: list[bool], inplace: bool):
+    """(input, weight, bias) gradients of training-mode batch norm from its packed input,
+    decoded ``CHUNK_ELEMENTS`` at a time: one pass for the two per-channel sums, one for the
+    input gradient, written over ``grad`` when ``inplace``. The formulas of torch's kernel."""
+    n = meta.shape[0]
+    count = grad.numel() // grad.shape[1]
+    step = max(1, CHUNK_ELEMENTS // max(1, grad[0].numel()))
+    chan = (1, -1, 1, 1)
+    sum_dy = grad.sum((0, 2, 3), dtype=torch.float32)
+    dot = torch.zeros_like(sum_dy)  # sum of grad * (x - mean)
+    for s in range(0, n, step):
+        x = unpack_samples(packed, storage, meta, s, min(n, s + step))
+        dot += (x.sub_(mean.view(chan)) * grad[s: s + step]).sum((0, 2, 3), dtype=torch.float32)
+    gw = (dot * invstd).to(weight.dtype) if mask[1] else None
+    gb = sum_dy.to(weight.dtype) if mask[2] else None
+    if not mask[0]:
+        return None, gw, gb
+    proj = (dot * invstd * invstd / count).view(chan)
+    shift = (sum_dy / count).view(chan)
+    scale = (invstd * weight).view(chan)
+    gx = grad if inplace else torch.empty_like(grad)
+    for s in range(0, n, step):
+        x = unpack_samples(packed, storage, meta, s, min(n, s + step))
+        x = x.sub_(mean.view(chan)).mul_(proj).add_(shift)
+        part = gx[s: s + step]
+        if inplace:
+            part.sub_(x)
+        else:
+            torch.sub(grad[s: s + step], x, out=part)
+        part.mul_(scale)
+    return gx, gw, gb

@@ -12,17 +12,24 @@ from lessmem.core.functions.conv_cost import (
     depthwise_kernel_takes,
 )
 from lessmem.core.functions.conv_weight_grad import block_weight_grad
+from lessmem.core.functions.owned_grad import grad_target, handed_to
 from lessmem.core.functions.pooled_input import save_pooled_input, saved_pooled_input
 from lessmem.core.functions.pooling import expand_blocks, pooled_once
 from lessmem.core.kernels import cpu as cpu_kernels
 from lessmem.core.layout import format_of
+
+# Output-gradient elements from which a layer with no input gradient takes its weight gradient in
+# batch slices, and the slice size: a few MiB of scratch instead of a full-size one.
+CHUNKED_WEIGHT_GRAD_MIN = 2**22
+WEIGHT_GRAD_CHUNK = 2**21
 
 
 class PooledConv2dFunction(torch.autograd.Function):
     """conv2d whose input is saved only as k×k block means.
 
     Backward: the input gradient needs only the weight, so it is exact; the weight gradient is
-    computed from the block means repeated over each block (the paper's approximation).
+    computed from the block means repeated over each block (the paper's approximation). The
+    input gradient is fresh: it is handed to the node before (``owned_grad``).
     """
 
     @staticmethod
@@ -31,6 +38,7 @@ class PooledConv2dFunction(torch.autograd.Function):
         packed = pooled_once(x, kernel, storage) if ctx.needs_input_grad[1] else None
         save_pooled_input(ctx, x, weight, bias, packed, storage)
         ctx.conv, ctx.kernel = (stride, padding, dilation, groups), kernel
+        ctx.grad_target = grad_target(x)
         return out
 
     @staticmethod
@@ -38,7 +46,7 @@ class PooledConv2dFunction(torch.autograd.Function):
         weight, pooled, shape, needs = saved_pooled_input(ctx)
         gx, gw, gb = pooled_conv_grads(grad_out, pooled, shape, weight, ctx.has_bias, *ctx.conv,
                                        ctx.kernel, needs)
-        return gx, gw, gb, None, None, None, None, None, None
+        return handed_to(gx, ctx.grad_target), gw, gb, None, None, None, None, None, None
 
 
 def pooled_conv_grads(grad_out, pooled, shape, weight, has_bias, stride, padding, dilation, groups,
@@ -61,12 +69,28 @@ def pooled_conv_grads(grad_out, pooled, shape, weight, has_bias, stride, padding
         # would cost more than they save, and geometries the pooled grid does not take: expand the
         # means and make one convolution_backward call for all three gradients.
         x_hat = expand_blocks(pooled, kernel, shape[2:]) if needs[1] else _input_like(grad_out, shape)
+        if needs[1] and not needs[0] and grad_out.numel() >= CHUNKED_WEIGHT_GRAD_MIN:
+            gw = chunked_weight_grad(grad_out, x_hat, weight, stride, padding, dilation, groups)
+            return None, gw, grad_out.sum((0, 2, 3)) if needs[2] else None
         return conv_grads(grad_out, x_hat, weight, has_bias, stride, padding, dilation, groups, needs)
     gx = None
     if needs[0]:
         gx = conv_grads(grad_out, _input_like(grad_out, shape), weight, False, stride, padding,
                         dilation, groups, (True, False, False))[0]
     return gx, gw, grad_out.sum((0, 2, 3)) if needs[2] else None
+
+
+def chunked_weight_grad(grad_out, x_hat, weight, stride, padding, dilation, groups) -> Tensor:
+    """The weight gradient summed over batch slices of ``WEIGHT_GRAD_CHUNK`` output elements:
+    the backend's scratch copies of the output gradient (a full-size reorder on CPU) then stay
+    slice-sized. For a first layer (no input gradient), where that scratch sets the step's peak."""
+    step = max(1, WEIGHT_GRAD_CHUNK // grad_out[0].numel())
+    gw = None
+    for s in range(0, grad_out.shape[0], step):
+        part = conv_grads(grad_out[s: s + step], x_hat[s: s + step], weight, False, stride, padding,
+                          dilation, groups, (False, True, False))[1]
+        gw = part if gw is None else gw.add_(part)
+    return gw
 
 
 def _input_like(grad_out: Tensor, shape) -> Tensor:

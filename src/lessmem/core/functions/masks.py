@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lessmem.core.functions.owned_grad import grad_target, handed_to, owns
 from lessmem.core.kernels import cpu as cpu_kernels
 from lessmem.core.kernels import triton as triton_kernels
 from lessmem.core.layout import is_channels_last, is_dense
@@ -57,13 +58,15 @@ def clamp_and_pack(x: Tensor, lo: float, hi: float | None, inplace: bool = False
     return y, pack_bits(passed.permute(0, 2, 3, 1) if channels_last else passed), channels_last
 
 
-def masked_grad(grad: Tensor, bits: Tensor, channels_last: bool) -> Tensor:
-    """``grad`` where the packed pass bit is set, else 0 (bits from ``clamp_and_pack``)."""
+def masked_grad(grad: Tensor, bits: Tensor, channels_last: bool, inplace: bool = False) -> Tensor:
+    """``grad`` where the packed pass bit is set, else 0 (bits from ``clamp_and_pack``), written
+    over ``grad`` when ``inplace`` and its layout is the mask's."""
     fused = _fused_mask_kernels(grad)
     if fused is not None:
-        return fused.masked_grad(grad, bits, channels_last)
+        return fused.masked_grad(grad, bits, channels_last, out=grad if inplace else None)
     if not channels_last:
-        return grad * unpack_bits(bits, grad.shape)
+        mask = unpack_bits(bits, grad.shape)
+        return grad.mul_(mask) if inplace and grad.is_contiguous() else grad * mask
     # the product takes grad's layout; mixed layouts downstream (BatchNorm) are slow
     grad = grad.contiguous(memory_format=torch.channels_last)
     # grad * mask: 3-4x faster than torch.where on CPU (channels-last); equal values except
@@ -75,13 +78,15 @@ class MaskedActivationFunction(torch.autograd.Function):
     """Piecewise-linear activation (ReLU, ReLU6, Hardtanh) that saves a 1-bit pass mask.
 
     The mask is derived from the output, which is what stock autograd uses too, so gradients are
-    bit-identical to stock.
+    bit-identical to stock. Backward masks the incoming gradient in place where this node owns it
+    (``owned_grad``) and hands the result on to the node before.
     """
 
     @staticmethod
     def forward(ctx, x, lo, hi, inplace):
         if inplace:
             ctx.mark_dirty(x)
+        ctx.grad_target = grad_target(x)
         y, bits, ctx.channels_last = clamp_and_pack(x, lo, hi, inplace)
         ctx.save_for_backward(bits)
         return y
@@ -89,4 +94,5 @@ class MaskedActivationFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (bits,) = ctx.saved_tensors
-        return masked_grad(grad, bits, ctx.channels_last), None, None, None
+        gx = masked_grad(grad, bits, ctx.channels_last, owns(ctx, grad))
+        return handed_to(gx, ctx.grad_target), None, None, None

@@ -6,17 +6,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lessmem.core.functions.owned_grad import grad_target, handed_to
 from lessmem.core.kernels import cpu as cpu_kernels
 
 
 class CompactMaxPool2dFunction(torch.autograd.Function):
     """max_pool2d that saves the argmax position inside each window as uint8 (not the input and
-    int64 plane indices, as stock does). The gradient is scattered exactly like stock."""
+    int64 plane indices, as stock does). The gradient is scattered exactly like stock, into a
+    fresh tensor handed to the node before (``owned_grad``)."""
 
     @staticmethod
     def forward(ctx, x, kernel, stride, padding, dilation, ceil_mode):
         h, w = x.shape[-2:]
         ctx.geometry = (kernel, stride, padding, dilation, (h, w), tuple(x.shape))
+        ctx.grad_target = grad_target(x)
         out_hw = [_pooled_size(*a, ceil_mode) for a in zip((h, w), kernel, stride, padding, dilation, strict=True)]
         # arguments stock would reject (padding over half the kernel, empty output) take the stock
         # path below, which raises its own error
@@ -43,7 +46,7 @@ class CompactMaxPool2dFunction(torch.autograd.Function):
         kernel, stride, padding, dilation, (h, w), shape = ctx.geometry
         if ctx.fused:
             gx = cpu_kernels.max_pool_compact_backward(grad, local, kernel, stride, padding, dilation, (h, w))
-            return gx, None, None, None, None, None
+            return handed_to(gx, ctx.grad_target), None, None, None, None, None
         row0, col0 = _window_origins(grad.shape[-2:], stride, padding, grad.device)
         # plane index = window origin + offset of the argmax inside the window (a small table)
         i = torch.arange(kernel[0], device=grad.device)[:, None] * dilation[0]
@@ -52,7 +55,7 @@ class CompactMaxPool2dFunction(torch.autograd.Function):
         idx = (offsets[local.long()] + (row0 * w + col0)).flatten(-2)
         gx = grad.new_zeros(*shape[:-2], h * w)
         gx.scatter_add_(-1, idx, grad.flatten(-2))
-        return gx.view(shape), None, None, None, None, None
+        return handed_to(gx.view(shape), ctx.grad_target), None, None, None, None, None
 
 
 def _pooled_size(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:

@@ -85,10 +85,10 @@ def clamp_and_pack(x: Tensor, lo: float, hi: float | None, inplace: bool = False
     return y, bits
 
 
-def masked_grad(grad: Tensor, bits: Tensor, channels_last: bool) -> Tensor:
+def masked_grad(grad: Tensor, bits: Tensor, channels_last: bool, out: Tensor | None = None) -> Tensor:
     """grad where the packed bit is set, else 0, in the activation's layout."""
     grad = grad.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    out = torch.empty_like(grad)
+    out = torch.empty_like(grad) if out is None or out.stride() != grad.stride() else out  # out may be grad
     _module.masked_grad(flat_memory_order(grad), bits, flat_memory_order(out))
     return out
 

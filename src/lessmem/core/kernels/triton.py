@@ -176,11 +176,11 @@ def clamp_and_pack(x: Tensor, lo: float, hi: float | None, inplace: bool = False
     return y, bits
 
 
-def masked_grad(grad: Tensor, bits: Tensor, channels_last: bool) -> Tensor:
+def masked_grad(grad: Tensor, bits: Tensor, channels_last: bool, out: Tensor | None = None) -> Tensor:
     """grad where the packed bit is set, else 0, in the activation's layout (bits are in its
     memory order)."""
     grad = grad.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    out = torch.empty_like(grad)
+    out = torch.empty_like(grad) if out is None or out.stride() != grad.stride() else out  # out may be grad
     n = grad.numel()
     grid = (triton.cdiv(bits.numel(), BLOCK_BYTES),)
     _masked_grad_kernel[grid](flat_memory_order(grad), bits, flat_memory_order(out), n, BLOCK=BLOCK_BYTES)
