@@ -1,7 +1,8 @@
 """lessmem: train neural networks with compressed activations.
 
 The library (torch only): ``compress``, ``uncompress``, ``measure_memory`` (saved-for-backward
-bytes), ``measure_step_memory`` (whole-step peak), ``coverage`` and ``sensitivity`` below. The
+bytes), ``measure_step_memory`` (whole-step peak), ``coverage``, ``sensitivity`` and ``fit`` (a
+map whose whole training step fits a memory budget: ``compress(model, fit(...))``) below. The
 experiment framework (Hydra, Optuna, W&B) is built on it in ``lessmem.experiment``, ``lessmem.search``, ``lessmem.reporting`` and ``lessmem.cli``; see
 docs/architecture.md for the layers and the one direction their imports run.
 """
@@ -20,10 +21,11 @@ from lessmem.core import (
     track_step_memory,
     uncompress,
 )
-from lessmem.layer_sensitivity import SensitivityResult, sensitivity
+from lessmem.layer_sensitivity import BudgetChoice, SensitivityResult, fit, sensitivity
 
 __version__ = "0.1.0"
 __all__ = [
+    "BudgetChoice",
     "CoverageReport",
     "LayerSpec",
     "MemoryReport",
@@ -33,6 +35,7 @@ __all__ = [
     "compressed_layers",
     "compressible_layers",
     "coverage",
+    "fit",
     "measure_memory",
     "measure_step_memory",
     "sensitivity",

@@ -1,8 +1,10 @@
 """Layer sensitivity: how much each layer's weight gradient changes under each compression
 choice, measured from one stock forward/backward per batch (kernels: ``sensitivity``; the whole
 kernel x storage menu with the whole-gradient criterion: ``measure_menu``), and the maps chosen
-from it (torch only)."""
+from it (torch only); ``fit``: the map whose whole training step fits a memory budget in bytes."""
 
+from lessmem.layer_sensitivity.byte_sizes import format_bytes, parse_bytes
+from lessmem.layer_sensitivity.fit import BudgetChoice, NoFit, fit
 from lessmem.layer_sensitivity.geometry import conv_layers
 from lessmem.layer_sensitivity.groups import group_layers
 from lessmem.layer_sensitivity.io import append_history, read_map_yaml, write_map_yaml
@@ -19,6 +21,11 @@ from lessmem.layer_sensitivity.menu_measure import LOSSY_STORAGES, measure_menu
 from lessmem.layer_sensitivity.result import SensitivityResult
 
 __all__ = [
+    "BudgetChoice",
+    "NoFit",
+    "fit",
+    "format_bytes",
+    "parse_bytes",
     "CRITERIA",
     "DEFAULT_CRITERION",
     "DEFAULT_KERNELS",
