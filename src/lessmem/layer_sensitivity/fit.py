@@ -246,7 +246,7 @@ class _Stepper:
                   "params": [(n, list(p.shape), str(p.dtype)) for n, p in self.model.named_parameters()],
                   "modules": [type(m).__name__ for m in self.model.modules()],
                   "batch": [(list(t.shape), str(t.dtype)) for t in self.batch], "device": str(self.batch[0].device),
-                  "optimizer": opt, "loss": getattr(self.loss_fn, "__qualname__", repr(self.loss_fn)),
+                  "optimizer": opt, "loss": getattr(self.loss_fn, "__qualname__", type(self.loss_fn).__name__),
                   "amp": str(self.amp_dtype), "torch": torch.__version__,
                   "menu": [FIT_KERNELS, FIT_STORAGES, FIT_LOSSY, MENU_BATCH]}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
