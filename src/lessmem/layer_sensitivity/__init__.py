@@ -3,8 +3,9 @@ choice, measured from one stock forward/backward per batch (kernels: ``sensitivi
 kernel x storage menu with the whole-gradient criterion: ``measure_menu``), and the maps chosen
 from it (torch only); ``fit``: the map whose whole training step fits a memory budget in bytes."""
 
+from lessmem.layer_sensitivity.budget_plan import PlanRow, plan_batches
 from lessmem.layer_sensitivity.byte_sizes import format_bytes, parse_bytes
-from lessmem.layer_sensitivity.fit import BudgetChoice, NoFit, fit
+from lessmem.layer_sensitivity.fit import BudgetChoice, NoFit, budget_profile, fit
 from lessmem.layer_sensitivity.geometry import conv_layers
 from lessmem.layer_sensitivity.groups import group_layers
 from lessmem.layer_sensitivity.io import append_history, read_map_yaml, write_map_yaml
@@ -23,6 +24,9 @@ from lessmem.layer_sensitivity.result import SensitivityResult
 __all__ = [
     "BudgetChoice",
     "NoFit",
+    "PlanRow",
+    "budget_profile",
+    "plan_batches",
     "fit",
     "format_bytes",
     "parse_bytes",

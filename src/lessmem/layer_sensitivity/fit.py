@@ -110,10 +110,7 @@ def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | floa
     that fits. ``model`` is not changed (measured on copies); ``cache_dir=None``:
     ``~/.cache/lessmem/budget`` (``$LESSMEM_CACHE/budget``)."""
     budget_bytes = parse_bytes(budget)
-    step = _Stepper(model, batch, optimizer, loss_fn, amp_dtype)
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    cache_file = cache / f"{step.key()}.json"
-    profile = _load(cache_file) or BudgetProfile(len(batch[0]), step.peak(None).peak_bytes)
+    step, cache_file, profile = _profile(model, batch, optimizer, loss_fn, amp_dtype, cache_dir)
     base = {"budget_bytes": budget_bytes, "batch_size": profile.batch_size, "criterion": criterion,
             "stock_step_peak_bytes": profile.stock_peak}
     if profile.stock_peak <= budget_bytes:
@@ -160,6 +157,24 @@ def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | floa
     return BudgetChoice(map=chosen.map, norm_storage=chosen.norm_storage, act_storage=chosen.act_storage,
                         exact_companions=True, predicted_peak_bytes=predicted, step_peak_bytes=measured,
                         saved_bytes=int(chosen.score["bytes"]), score=chosen.score, verified=verified, **base)
+
+
+def budget_profile(model: nn.Module, batch: tuple[Tensor, Tensor], *, optimizer: OptimizerFactory | None = None,
+                   loss_fn: LossFn = F.cross_entropy, amp_dtype: torch.dtype | None = None,
+                   criterion: str = DEFAULT_CRITERION, cache_dir: str | Path | None = None) -> BudgetProfile:
+    """The menu, stock's and the floor's peaks and the peak model of ``fit`` (measured or cached)."""
+    step, cache_file, profile = _profile(model, batch, optimizer, loss_fn, amp_dtype, cache_dir)
+    if profile.menu is None:
+        _measure_floor(profile, step, batch, loss_fn, criterion)
+        _save(cache_file, profile)
+    return profile
+
+
+def _profile(model: nn.Module, batch: tuple[Tensor, Tensor], optimizer: OptimizerFactory | None, loss_fn: LossFn,
+             amp_dtype: torch.dtype | None, cache_dir: str | Path | None) -> tuple[_Stepper, Path, BudgetProfile]:
+    step = _Stepper(model, batch, optimizer, loss_fn, amp_dtype)
+    cache_file = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / f"{step.key()}.json"
+    return step, cache_file, _load(cache_file) or BudgetProfile(len(batch[0]), step.peak(None).peak_bytes)
 
 
 def largest_batch(peaks: PeakModel, saved: float, batch_size: int, budget_bytes: float) -> int:
