@@ -1,8 +1,9 @@
 """lessmem: train neural networks with compressed activations.
 
 The library (torch only): ``compress``, ``uncompress``, ``measure_memory`` (saved-for-backward
-bytes), ``measure_step_memory`` (whole-step peak), ``coverage`` and ``measure_menu``
-(every compression choice's bytes and gradient error; ``MenuResult.make_map`` picks a map) below. The
+bytes), ``measure_step_memory`` (whole-step peak), ``coverage``, ``measure_menu``
+(every compression choice's bytes and gradient error; ``MenuResult.make_map`` picks a map) and
+``fit`` (a map whose whole training step fits a memory budget: ``compress(model, fit(...))``) below. The
 experiment framework (Hydra, Optuna, W&B) is built on it in ``lessmem.experiment``, ``lessmem.search``, ``lessmem.reporting`` and ``lessmem.cli``; see
 docs/architecture.md for the layers and the one direction their imports run.
 """
@@ -21,10 +22,11 @@ from lessmem.core import (
     track_step_memory,
     uncompress,
 )
-from lessmem.sensitivity import MenuResult, measure_menu
+from lessmem.sensitivity import BudgetChoice, MenuResult, fit, measure_menu
 
 __version__ = "0.1.0"
 __all__ = [
+    "BudgetChoice",
     "CoverageReport",
     "LayerSpec",
     "MemoryReport",
@@ -34,6 +36,7 @@ __all__ = [
     "compressed_layers",
     "compressible_layers",
     "coverage",
+    "fit",
     "measure_memory",
     "measure_menu",
     "measure_step_memory",

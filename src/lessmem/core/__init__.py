@@ -18,6 +18,7 @@ from lessmem.core.layers.registry import pools_tokens
 from lessmem.core.mapping import compressible_layers, resolve_mapping
 from lessmem.core.memory import MemoryReport, measure_memory
 from lessmem.core.patterns import first_match
+from lessmem.core.plan import CompressionPlan
 from lessmem.core.resident_memory import FIXED_MMAP_ENV, peak_rss_growth
 from lessmem.core.rounding import load_rounding_state, rounding_state, set_rounding_seed
 from lessmem.core.spec import LayerSpec, parse_spec
@@ -43,6 +44,7 @@ __all__ = [
     "STORAGES",
     "UNBIASED_STORAGES",
     "TensorMeta",
+    "CompressionPlan",
     "CoverageReport",
     "LayerSpec",
     "MemoryReport",

@@ -20,6 +20,7 @@ from lessmem.core.layers.registry import (
 )
 from lessmem.core.mapping import resolve_mapping
 from lessmem.core.patterns import first_match, unmatched
+from lessmem.core.plan import CompressionPlan
 from lessmem.core.saved_storage import attach, detach
 from lessmem.core.spec import LayerSpec
 from lessmem.core.storage import check_storage
@@ -33,7 +34,7 @@ def _swap(module: nn.Module, new_cls: type[nn.Module]) -> None:
 
 def compress(
     model: nn.Module,
-    mapping: Mapping[str, Any] | None,
+    mapping: Mapping[str, Any] | CompressionPlan | None,
     *,
     exact_companions: bool = True,
     norm_storage: str | Mapping[str, str] = "native",
@@ -61,7 +62,13 @@ def compress(
         attention's q, k, v and output, elementwise products (``core.saved_storage``). Nested
         matches: the innermost module's rule wins. Parameters and what lessmem's own layers
         store are left alone. Lossy, opt-in: every gradient upstream becomes approximate.
+    A ``CompressionPlan`` (what ``lessmem.fit`` returns) as ``mapping`` brings its own map, storages
+    and exact companions; the keyword settings then go unused.
     """
+    if isinstance(mapping, CompressionPlan):
+        return compress(model, mapping.map, exact_companions=mapping.exact_companions,
+                        norm_storage=mapping.norm_storage, act_storage=mapping.act_storage,
+                        saved_storage=saved_storage)
     uncompress(model)
     for name, spec in resolve_mapping(model, mapping).items():
         module = model.get_submodule(name)

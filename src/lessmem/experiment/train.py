@@ -27,6 +27,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from lessmem.experiment.adaptive import adapt_compression
+from lessmem.experiment.budget import choose_for_budget
 from lessmem.experiment.checkpoint import checkpoint_to_resume, restore_checkpoint, save_checkpoint
 from lessmem.experiment.compose import open_struct
 from lessmem.experiment.compression import CompressionChoice
@@ -48,7 +49,7 @@ from lessmem.experiment.loggers import build_logger
 from lessmem.experiment.model import build_model_from_cfg, compress_as_configured, wrap_for_training
 from lessmem.experiment.optim import build_optimizer, build_scheduler
 from lessmem.experiment.probes import evaluate, first_batch, grad_cosine, measure
-from lessmem.experiment.runtime import autocast, resolve_device, validate
+from lessmem.experiment.runtime import PRECISIONS, autocast, resolve_device, validate
 from lessmem.experiment.seeds import epoch_seed, seed_everything
 from lessmem.experiment.task import Task, task_of
 
@@ -102,13 +103,24 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
         rank=ddp.rank, world_size=ddp.world_size,
     )
     stock = copy.deepcopy(model)
-    choice = compress_as_configured(model, cfg)
-    model.to(device)
     memory_format = torch.channels_last if cfg.get("channels_last") else torch.contiguous_format
+    budget = None
+    if cfg.get("memory_budget"):  # the map comes from the budget, measured at the run's batch
+        memory_batch = first_batch(val_loader, int(cfg.batch_size))
+        choice, budget = choose_for_budget(
+            copy.deepcopy(model).to(device, memory_format=memory_format), (memory_batch[0].to(device), memory_batch[1].to(device)),
+            cfg.memory_budget, lambda params: build_optimizer(cfg.optimizer, params), task.criterion,
+            PRECISIONS[cfg.precision], out_dir)
+        choice.apply(model)
+    else:
+        choice = compress_as_configured(model, cfg)
+        memory_batch = first_batch(val_loader, int(cfg.memory_batch))
+    model.to(device)
     model.to(memory_format=memory_format)
-    memory_batch = first_batch(val_loader, int(cfg.memory_batch))
     x_memory = memory_batch[0]
     memory = memory_record(stock, model, memory_batch, device, cfg, choice, task, warn=ddp.is_main)
+    if budget is not None:
+        memory.update(budget.record())
     del stock
     if ddp.is_main:  # reports of a run in progress read it here, never from the pickled checkpoint
         atomic_write_text(json.dumps(memory, indent=2), out_dir / "memory.json")

@@ -1,14 +1,26 @@
 """Layer sensitivity: what every compression choice (pooling kernel x storage of a layer's input,
 storage of a BatchNorm or activation input) costs in bytes and in gradient error, measured from a
 few stock forward/backward passes (``measure_menu``), and the maps chosen from it by a knapsack
-(``MenuResult.make_map``). Kernel-only is the menu with native storage alone. Torch only."""
+(``MenuResult.make_map``). Kernel-only is the menu with native storage alone. ``fit``: the map whose
+whole training step fits a memory budget in bytes. Torch only."""
 
+from lessmem.sensitivity.budget_plan import PlanRow, plan_batches
+from lessmem.sensitivity.byte_sizes import format_bytes, parse_bytes
+from lessmem.sensitivity.fit import BudgetChoice, NoFit, budget_profile, fit
 from lessmem.sensitivity.io import read_map_yaml, write_map_yaml
 from lessmem.sensitivity.items import MAP_KINDS, MenuItem, option_name
 from lessmem.sensitivity.menu import CRITERIA, DEFAULT_CRITERION, MapChoice, MenuResult
 from lessmem.sensitivity.menu_measure import DEFAULT_KERNELS, LOSSY_STORAGES, measure_menu
 
 __all__ = [
+    "BudgetChoice",
+    "NoFit",
+    "PlanRow",
+    "budget_profile",
+    "fit",
+    "format_bytes",
+    "parse_bytes",
+    "plan_batches",
     "CRITERIA",
     "DEFAULT_CRITERION",
     "DEFAULT_KERNELS",

@@ -1,0 +1,181 @@
+"""Memory budgets in bytes of the whole training step: lessmem.fit against PyTorch's
+``torch._functorch.config.activation_memory_budget`` (torch.compile, recomputation; exact) and
+``torch.utils.checkpoint`` (every block), on one model and batch.
+
+Six budgets from stock's whole-step peak down to the floor lessmem's menu reaches; per budget:
+lessmem's chosen map (measured peak, predicted peak, step time, predicted whole-gradient error);
+PyTorch's compiled step at the same budget as a fraction of stock's activation bytes (measured
+peak, step time); and one checkpointed run. Peaks: ``lessmem.measure_step_memory`` (profiler on
+the CPU, ``max_memory_allocated`` on CUDA). Planning view (``--plan``): batch sizes from stock's
+largest up to 8x under one budget, each with the best map's predicted peak and error.
+
+    python benchmarks/budget.py --model resnet18 --image-size 224 --batch 32 --csv docs/results/budget_resnet18.csv
+    python benchmarks/budget.py --model tiny_llama --batch 8 --seq-len 256 --csv docs/results/budget_tiny_llama.csv
+    python benchmarks/budget.py --model resnet20 --batch 64 --plan 40MiB --plot docs/results/budget_plan.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import lessmem
+from lessmem.core import training_step
+from lessmem.models import build_model
+from lessmem.sensitivity import budget_profile, format_bytes, parse_bytes, plan_batches
+
+MIB = 2**20
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def setup(args: argparse.Namespace):
+    torch.manual_seed(0)
+    if args.model == "tiny_llama":
+        model = build_model("tiny_llama", 256, max_position_embeddings=args.seq_len)
+        x = torch.randint(256, (args.batch, args.seq_len))
+        return model, (x, x.clone()), lm_loss
+    model = build_model(args.model, 1000 if args.image_size >= 64 else 10)
+    return model, (torch.randn(args.batch, 3, args.image_size, args.image_size),
+                   torch.randint(10, (args.batch,))), F.cross_entropy
+
+
+def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def step_time(model: nn.Module, batch, loss_fn, steps: int) -> float:
+    opt = sgd(model.parameters())
+    training_step(model, batch, opt, loss_fn)
+    start = time.perf_counter()
+    for _ in range(steps):
+        training_step(model, batch, opt, loss_fn)
+    return (time.perf_counter() - start) / steps
+
+
+def peak(model: nn.Module, batch, loss_fn) -> int:
+    return lessmem.measure_step_memory(model, batch, optimizer=sgd(model.parameters()), loss_fn=loss_fn).peak_bytes
+
+
+def blocks(model: nn.Module) -> list[str]:
+    """The repeated blocks torch.utils.checkpoint wraps: ResNet stages' blocks, decoder layers."""
+    names = [n for n, m in model.named_modules()
+             if type(m).__name__ in ("BasicBlock", "Bottleneck", "LlamaDecoderLayer", "GPT2Block")]
+    return [n for n in names if not any(n.startswith(o + ".") for o in names)]
+
+
+def checkpointed(model: nn.Module) -> nn.Module:
+    net = copy.deepcopy(model)
+    for name in blocks(net):
+        module = net.get_submodule(name)
+        forward = module.forward
+        module.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+    return net
+
+
+def compiled_budget(model: nn.Module, fraction: float) -> nn.Module:
+    import torch._dynamo
+    import torch._functorch.config as functorch_config
+
+    torch._dynamo.reset()
+    functorch_config.activation_memory_budget = fraction
+    return torch.compile(copy.deepcopy(model))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--budgets", type=int, default=6)
+    p.add_argument("--steps", type=int, default=2, help="timed steps per configuration")
+    p.add_argument("--no-compile", action="store_true", help="skip activation_memory_budget")
+    p.add_argument("--plan", help="a budget (e.g. 6GiB): the planning view instead")
+    p.add_argument("--csv")
+    p.add_argument("--plot")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    model, batch, loss_fn = setup(args)
+    cache = tempfile.mkdtemp()
+    start = time.perf_counter()
+    profile = budget_profile(model, batch, optimizer=sgd, loss_fn=loss_fn, cache_dir=cache)
+    t_step = step_time(copy.deepcopy(model).train(), batch, loss_fn, args.steps)
+    print(f"{args.model} b{args.batch}: stock peak {profile.stock_peak / MIB:.1f} MiB, floor "
+          f"{profile.floor_peak / MIB:.1f} MiB, profile {time.perf_counter() - start:.1f}s = "
+          f"{(time.perf_counter() - start) / t_step:.1f} stock steps ({t_step:.2f}s each)", flush=True)
+    if args.plan:
+        return plan(profile, parse_bytes(args.plan), args)
+    rows = []
+    static = profile.peaks.static_bytes
+    for i in range(args.budgets):
+        budget = int(profile.stock_peak - (profile.stock_peak - profile.floor_peak) * (i + 0.5) / args.budgets)
+        t0 = time.perf_counter()
+        choice = lessmem.fit(model, batch, budget, optimizer=sgd, loss_fn=loss_fn, cache_dir=cache)
+        t_fit = time.perf_counter() - t0
+        net = lessmem.compress(copy.deepcopy(model).train(), choice)
+        row = {"budget_mib": budget / MIB, "lessmem_peak_mib": choice.step_peak_bytes / MIB,
+               "lessmem_predicted_mib": choice.predicted_peak_bytes / MIB,
+               "lessmem_step_s": step_time(net, batch, loss_fn, args.steps),
+               "lessmem_grad_error": choice.score.get("grad_error", 0.0), "fit_s": t_fit, "verified": choice.verified}
+        if not args.no_compile:
+            fraction = min(1.0, max(0.0, (budget - static) / (profile.stock_peak - static)))
+            net = compiled_budget(model, fraction).train()
+            t = step_time(net, batch, loss_fn, args.steps)
+            row.update(compile_fraction=fraction, compile_peak_mib=peak(net, batch, loss_fn) / MIB, compile_step_s=t)
+        rows.append(row)
+        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    net = checkpointed(model).train()
+    ck = {"checkpoint_peak_mib": peak(net, batch, loss_fn) / MIB, "checkpoint_step_s": step_time(net, batch, loss_fn, args.steps),
+          "stock_peak_mib": profile.stock_peak / MIB, "stock_step_s": t_step}
+    print(" ".join(f"{k}={v:.3f}" for k, v in ck.items()))
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=[*rows[0], *ck])
+            writer.writeheader()
+            writer.writerows([{**r, **ck} for r in rows])
+    if args.plot:
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        b = [r["budget_mib"] for r in rows]
+        ax.plot(b, b, "k:", label="budget")
+        ax.plot(b, [r["lessmem_peak_mib"] for r in rows], "o-", label="lessmem.fit (measured)")
+        if "compile_peak_mib" in rows[0]:
+            ax.plot(b, [r["compile_peak_mib"] for r in rows], "s--", label="activation_memory_budget")
+        ax.axhline(ck["checkpoint_peak_mib"], color="grey", ls="--", label="checkpoint every block")
+        ax.set(xlabel="budget (MiB)", ylabel="whole-step peak (MiB)", title=f"{args.model} batch {args.batch}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+
+
+def plan(profile, budget: int, args: argparse.Namespace) -> None:
+    rows = plan_batches(profile, budget)
+    for r in rows:
+        err = "nothing fits" if not r.fits else f"grad_error {r.grad_error:.4f} cosine {r.cosine:.4f}"
+        print(f"batch {r.batch_size:5d}: predicted peak {r.predicted_peak_bytes / MIB:9.1f} MiB  {err}")
+    if args.plot:
+        import matplotlib.pyplot as plt
+
+        fits = [r for r in rows if r.fits]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r.batch_size for r in fits], [r.grad_error for r in fits], "o-")
+        ax.set(xlabel="batch size", ylabel="predicted whole-gradient error", yscale="symlog",
+               title=f"{args.model}: best map within {format_bytes(budget)}")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

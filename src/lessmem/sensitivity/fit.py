@@ -1,0 +1,292 @@
+"""A map for a memory budget in bytes of the whole training step (``lessmem.fit``).
+
+    choice = lessmem.fit(model, (images, labels), budget="6GiB", optimizer=make_sgd)
+    lessmem.compress(model, choice)
+
+Steps: measure stock's whole-step peak (it fits: nothing to compress); measure the menu on a
+sub-batch of the batch (bytes scaled to the whole batch) and the whole-step peak of the menu's
+smallest map (the floor: above the budget, nothing fits); from those measured steps a
+``PeakModel`` predicts a map's peak from its saved bytes, the knapsack picks the map of least
+criterion whose saved bytes the model says fit, and one real step verifies it; a map over the
+budget adds its point to the model and the next pick is tighter. The menu and every measured
+point are cached per model, batch, optimizer, precision and device (a json file).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lessmem.core import (
+    CompressionPlan,
+    compress,
+    load_rounding_state,
+    measure_step_memory,
+    rounding_state,
+)
+from lessmem.sensitivity.byte_sizes import format_bytes, parse_bytes
+from lessmem.sensitivity.menu import DEFAULT_CRITERION, MapChoice, MenuResult
+from lessmem.sensitivity.menu_measure import measure_menu
+from lessmem.sensitivity.peak_model import PeakModel
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+LossFn = Callable[[Tensor, Tensor], Tensor]
+# The menu fit() measures: every option a budget search needs, at a cost of a few training steps.
+FIT_KERNELS = (1, 2, 4)
+FIT_STORAGES = ("native", "bf16", "int8", "int4", "int2")
+FIT_LOSSY = ("int8", "int2")  # BatchNorm / GELU / SiLU inputs: one probe pass each
+MENU_BATCH = 8  # samples the menu is measured on; its bytes are scaled to the whole batch
+STATIC_CATEGORIES = ("parameters", "gradients", "optimizer_state")
+CLOSE_ENOUGH = 0.9  # a verified map at or above this fraction of the budget ends the search
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("LESSMEM_CACHE") or Path.home() / ".cache" / "lessmem") / "budget"
+
+
+@dataclass
+class BudgetChoice(CompressionPlan):
+    """The map for a budget, what ``lessmem.compress(model, choice)`` applies, and its peaks."""
+
+    budget_bytes: int = 0
+    batch_size: int = 0
+    stock: bool = False  # stock already fits: nothing compressed
+    predicted_peak_bytes: int = 0  # before its verification step
+    step_peak_bytes: int = 0  # measured
+    stock_step_peak_bytes: int = 0
+    floor_step_peak_bytes: int | None = None  # the menu's smallest map (None when stock fits)
+    saved_bytes: int = 0  # predicted saved-for-backward bytes
+    score: dict[str, float] = field(default_factory=dict)
+    criterion: str = DEFAULT_CRITERION
+    verified: int = 0  # maps measured by a real step in this search
+
+    @property
+    def label(self) -> str:
+        return f"budget_{format_bytes(self.budget_bytes)}"
+
+    def record(self) -> dict[str, Any]:
+        """The figures a run records (memory.json, metrics.json)."""
+        return {"memory_budget_bytes": self.budget_bytes, "predicted_step_peak_bytes": self.predicted_peak_bytes,
+                "budget_step_peak_bytes": self.step_peak_bytes, "budget_stock_fits": self.stock,
+                "budget_floor_step_peak_bytes": self.floor_step_peak_bytes,
+                "budget_predicted_grad_error": self.score.get("grad_error", 0.0)}
+
+
+@dataclass
+class BudgetProfile:
+    """What fit() measures once per model, batch, optimizer, precision and device (cached)."""
+
+    batch_size: int
+    stock_peak: int
+    menu: MenuResult | None = None
+    floor_map: MapChoice | None = None
+    floor_peak: int | None = None
+    peaks: PeakModel = field(default_factory=PeakModel)
+
+
+class NoFit(ValueError):
+    """Even the menu's smallest map does not fit the budget."""
+
+
+def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | float, *,
+        optimizer: OptimizerFactory | None = None, loss_fn: LossFn = F.cross_entropy,
+        amp_dtype: torch.dtype | None = None, criterion: str = DEFAULT_CRITERION,
+        cache_dir: str | Path | None = None, max_verified: int = 4) -> BudgetChoice:
+    """The map of least ``criterion`` whose whole training step (forward, backward,
+    ``optimizer(params).step()``) on ``batch`` peaks within ``budget`` (bytes, or ``"6GiB"``,
+    ``"750MiB"``). Stock fits: a choice with ``stock=True`` and an empty map. Nothing fits:
+    ``NoFit`` (a ValueError) naming the smallest peak the menu reaches and the largest batch
+    that fits. ``model`` is not changed (measured on copies); ``cache_dir=None``:
+    ``~/.cache/lessmem/budget`` (``$LESSMEM_CACHE/budget``)."""
+    budget_bytes = parse_bytes(budget)
+    step, cache_file, profile = _profile(model, batch, optimizer, loss_fn, amp_dtype, cache_dir)
+    base = {"budget_bytes": budget_bytes, "batch_size": profile.batch_size, "criterion": criterion,
+            "stock_step_peak_bytes": profile.stock_peak}
+    if profile.stock_peak <= budget_bytes:
+        _save(cache_file, profile)
+        return BudgetChoice(exact_companions=False, stock=True, predicted_peak_bytes=profile.stock_peak,
+                            step_peak_bytes=profile.stock_peak, **base)
+    if profile.menu is None:
+        _measure_floor(profile, step, batch, loss_fn, criterion)
+        _save(cache_file, profile)
+    assert profile.menu is not None and profile.floor_map is not None and profile.floor_peak is not None
+    base["floor_step_peak_bytes"] = profile.floor_peak
+    if profile.floor_peak > budget_bytes:
+        raise NoFit(f"no map fits memory budget {format_bytes(budget_bytes)} at batch {profile.batch_size}: "
+                    f"the smallest whole-step peak the menu reaches is {format_bytes(profile.floor_peak)} "
+                    f"(stock {format_bytes(profile.stock_peak)}); the largest batch that fits is about "
+                    f"{largest_batch(profile.peaks, profile.floor_map.score['bytes'], profile.batch_size, budget_bytes)}")
+    least = profile.floor_map.score["bytes"]
+    best: tuple[MapChoice, int, int] | None = None  # (map, predicted, measured) that fits
+    tried: set[float] = set()
+    verified = 0
+    target = profile.peaks.saved_for(budget_bytes)
+    while verified < max_verified:
+        choice = profile.menu.make_map(max(target, least), criterion)
+        saved = choice.score["bytes"]
+        if saved in tried:
+            break
+        tried.add(saved)
+        predicted = int(profile.peaks.predict(saved))
+        measured = step.peak(_plan(choice)).peak_bytes
+        verified += 1
+        profile.peaks.add(saved, measured)
+        _save(cache_file, profile)
+        if measured <= budget_bytes:
+            if best is None or measured > best[2]:
+                best = (choice, predicted, measured)
+            if measured >= CLOSE_ENOUGH * budget_bytes:
+                break
+            target = max(profile.peaks.saved_for(budget_bytes), saved * 1.001)
+        else:  # tighter: below this map's bytes by at least its overshoot
+            target = min(profile.peaks.saved_for(budget_bytes), saved - (measured - budget_bytes))
+    if best is None:  # the floor was measured and fits
+        best = (profile.floor_map, profile.floor_peak, profile.floor_peak)
+    chosen, predicted, measured = best
+    return BudgetChoice(map=chosen.map, norm_storage=chosen.norm_storage, act_storage=chosen.act_storage,
+                        exact_companions=True, predicted_peak_bytes=predicted, step_peak_bytes=measured,
+                        saved_bytes=int(chosen.score["bytes"]), score=chosen.score, verified=verified, **base)
+
+
+def budget_profile(model: nn.Module, batch: tuple[Tensor, Tensor], *, optimizer: OptimizerFactory | None = None,
+                   loss_fn: LossFn = F.cross_entropy, amp_dtype: torch.dtype | None = None,
+                   criterion: str = DEFAULT_CRITERION, cache_dir: str | Path | None = None) -> BudgetProfile:
+    """The menu, stock's and the floor's peaks and the peak model of ``fit`` (measured or cached)."""
+    step, cache_file, profile = _profile(model, batch, optimizer, loss_fn, amp_dtype, cache_dir)
+    if profile.menu is None:
+        _measure_floor(profile, step, batch, loss_fn, criterion)
+        _save(cache_file, profile)
+    return profile
+
+
+def _profile(model: nn.Module, batch: tuple[Tensor, Tensor], optimizer: OptimizerFactory | None, loss_fn: LossFn,
+             amp_dtype: torch.dtype | None, cache_dir: str | Path | None) -> tuple[_Stepper, Path, BudgetProfile]:
+    step = _Stepper(model, batch, optimizer, loss_fn, amp_dtype)
+    cache_file = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / f"{step.key()}.json"
+    return step, cache_file, _load(cache_file) or BudgetProfile(len(batch[0]), step.peak(None).peak_bytes)
+
+
+def largest_batch(peaks: PeakModel, saved: float, batch_size: int, budget_bytes: float) -> int:
+    """The largest batch whose predicted peak with a map saving ``saved`` bytes at ``batch_size``
+    fits ``budget_bytes`` (0: not even one sample)."""
+    per_batch = peaks.predict(saved) - peaks.static_bytes
+    if per_batch <= 0:
+        return batch_size
+    return max(0, math.floor((budget_bytes - peaks.static_bytes) / per_batch * batch_size))
+
+
+def _plan(choice: MapChoice) -> CompressionPlan:
+    return CompressionPlan(choice.map, choice.norm_storage, choice.act_storage, True)
+
+
+def _measure_floor(profile: BudgetProfile, step: _Stepper, batch: tuple[Tensor, Tensor], loss_fn: LossFn,
+                   criterion: str) -> None:
+    """The menu (on a sub-batch, bytes scaled up), stock's and the smallest map's points."""
+    n = min(MENU_BATCH, len(batch[0]))
+    net = copy.deepcopy(step.model).train()
+    menu = measure_menu(net, [(batch[0][:n], batch[1][:n])], kernels=FIT_KERNELS, storages=FIT_STORAGES,
+                        norm_storages=FIT_LOSSY, act_storages=FIT_LOSSY, loss_fn=loss_fn)
+    profile.menu = scaled_menu(menu, len(batch[0]) / n)
+    profile.peaks.add(profile.menu.stock_bytes, profile.stock_peak)
+    profile.floor_map = smallest_map(profile.menu, criterion)
+    report = step.peak(_plan(profile.floor_map))
+    profile.floor_peak = report.peak_bytes
+    profile.peaks.add(profile.floor_map.score["bytes"], report.peak_bytes)
+    profile.peaks.static_bytes = float(sum(report.by_category.get(c, 0) for c in STATIC_CATEGORIES))
+
+
+def scaled_menu(menu: MenuResult, factor: float) -> MenuResult:
+    """``menu`` with every byte count times ``factor`` (activations grow with the batch)."""
+    d = menu.to_dict()
+    for item in d["items"]:
+        item["nbytes"] = [round(b * factor) for b in item["nbytes"]]
+    d["stock_bytes"] = round(d["stock_bytes"] * factor)
+    d["base_bytes"] = round(d["base_bytes"] * factor)
+    d["meta"] = {**d["meta"], "batch_size": round(d["meta"]["batch_size"] * factor), "measured_batch": d["meta"]["batch_size"]}
+    return MenuResult.from_dict(d)
+
+
+def smallest_map(menu: MenuResult, criterion: str = DEFAULT_CRITERION) -> MapChoice:
+    """The map of least saved bytes (least ``criterion`` among maps within 1% of it: the
+    knapsack's rounding needs that room)."""
+    items = {i.name: i for i in menu.items}
+    least = float(menu.base_bytes)
+    for members in menu.unit_items().values():
+        first = items[members[0]]
+        common = [o for o in first.options if all(o in items[m].options for m in members)]
+        least += min(first.nbytes[first.index(o)] for o in common)
+    return menu.make_map(least * 1.01, criterion)
+
+
+class _Stepper:
+    """Whole-step peaks of copies of one model on one batch, with the optimizer, loss and precision
+    of the run; the model, the rounding stream and the RNG are left as they were."""
+
+    def __init__(self, model: nn.Module, batch: tuple[Tensor, Tensor], optimizer: OptimizerFactory | None,
+                 loss_fn: LossFn, amp_dtype: torch.dtype | None) -> None:
+        self.model, self.batch, self.optimizer = model, batch, optimizer
+        self.loss_fn, self.amp_dtype = loss_fn, amp_dtype
+
+    def peak(self, plan: CompressionPlan | None):
+        net = copy.deepcopy(self.model).train()
+        if plan is not None:
+            compress(net, plan)
+        device = self.batch[0].device
+        state = rounding_state()
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                return measure_step_memory(net, self.batch, loss_fn=self.loss_fn, amp_dtype=self.amp_dtype,
+                                           optimizer=self.optimizer(net.parameters()) if self.optimizer else None)
+        finally:
+            load_rounding_state(state)
+
+    def key(self) -> str:
+        """Hash of what the peaks depend on: model structure, batch, optimizer, precision, device."""
+        opt = None
+        if self.optimizer is not None:
+            built = self.optimizer([torch.zeros(1, requires_grad=True)])
+            opt = [type(built).__name__, {k: repr(v) for k, v in sorted(built.defaults.items())}]
+        fields = {"model": type(self.model).__qualname__,
+                  "params": [(n, list(p.shape), str(p.dtype)) for n, p in self.model.named_parameters()],
+                  "modules": [type(m).__name__ for m in self.model.modules()],
+                  "batch": [(list(t.shape), str(t.dtype)) for t in self.batch], "device": str(self.batch[0].device),
+                  "optimizer": opt, "loss": getattr(self.loss_fn, "__qualname__", type(self.loss_fn).__name__),
+                  "amp": str(self.amp_dtype), "torch": torch.__version__,
+                  "menu": [FIT_KERNELS, FIT_STORAGES, FIT_LOSSY, MENU_BATCH]}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _save(path: Path, profile: BudgetProfile) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"batch_size": profile.batch_size, "stock_peak": profile.stock_peak,
+            "menu": profile.menu.to_dict() if profile.menu else None,
+            "floor_map": vars(profile.floor_map) if profile.floor_map else None, "floor_peak": profile.floor_peak,
+            "points": profile.peaks.points, "static_bytes": profile.peaks.static_bytes}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+def _load(path: Path) -> BudgetProfile | None:
+    if not path.is_file():
+        return None
+    try:
+        d: Mapping[str, Any] = json.loads(path.read_text())
+        return BudgetProfile(
+            int(d["batch_size"]), int(d["stock_peak"]),
+            MenuResult.from_dict(d["menu"]) if d["menu"] else None,
+            MapChoice(**d["floor_map"]) if d["floor_map"] else None, d["floor_peak"],
+            PeakModel([tuple(p) for p in d["points"]], float(d["static_bytes"])))
+    except (ValueError, KeyError, TypeError):  # a torn or older file: measure again
+        return None

@@ -1,0 +1,85 @@
+"""Memory budgets in bytes of the whole step: budget strings, a budget that holds, nothing fits,
+stock fits (library and lessmem-train)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import lessmem
+from lessmem.cli.train import train_main
+from lessmem.experiment import run
+from lessmem.models import build_model
+from lessmem.sensitivity import NoFit, format_bytes, parse_bytes
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    model = build_model("resnet20", 10).train()
+    batch = (torch.randn(16, 3, 32, 32), torch.randint(10, (16,)))
+    stock = lessmem.measure_step_memory(copy.deepcopy(model), batch, optimizer=sgd(model.parameters())).peak_bytes
+    return model, batch, stock
+
+
+@pytest.mark.parametrize(("text", "nbytes"), [("6GiB", 6 * 2**30), ("750MiB", 750 * 2**20), ("1.5gib", 3 * 2**29),
+                                              ("2GB", 2 * 10**9), ("123456", 123456), (4096, 4096)])
+def test_budget_strings(text: str | int, nbytes: int) -> None:
+    assert parse_bytes(text) == nbytes
+
+
+@pytest.mark.parametrize("text", ["6 parsecs", "GiB", "-1MiB", "0", "", "6GiB and more"])
+def test_bad_budget_string_is_one_line(text: str) -> None:
+    with pytest.raises(ValueError) as e:
+        parse_bytes(text)
+    assert "\n" not in str(e.value) and (repr(text) in str(e.value))
+
+
+def test_label_round_trips() -> None:
+    assert format_bytes(parse_bytes("6GiB")) == "6GiB" and format_bytes(parse_bytes("750MiB")) == "750MiB"
+
+
+def test_budget_holds(setup, tmp_path: Path) -> None:
+    model, batch, stock = setup
+    budget = int(0.6 * stock)
+    choice = lessmem.fit(model, batch, budget, optimizer=sgd, cache_dir=tmp_path)
+    assert not choice.stock and choice.map and choice.step_peak_bytes <= budget
+    net = lessmem.compress(copy.deepcopy(model), choice)
+    assert lessmem.measure_step_memory(net, batch, optimizer=sgd(net.parameters())).peak_bytes <= budget
+    # From the cache: the menu and the measured points of the first search (a map may change with them).
+    again = lessmem.fit(model, batch, budget, optimizer=sgd, cache_dir=tmp_path)
+    assert again.step_peak_bytes <= budget and len(list(tmp_path.glob("*.json"))) == 1
+
+
+def test_nothing_fits(setup, tmp_path: Path) -> None:
+    model, batch, _ = setup
+    with pytest.raises(NoFit, match=r"smallest whole-step peak the menu reaches is .*largest batch that fits"):
+        lessmem.fit(model, batch, "1KiB", optimizer=sgd, cache_dir=tmp_path)
+
+
+def test_stock_fits(setup, tmp_path: Path) -> None:
+    model, batch, stock = setup
+    choice = lessmem.fit(model, batch, stock, optimizer=sgd, cache_dir=tmp_path)
+    assert choice.stock and choice.map == {} and choice.step_peak_bytes == stock
+    assert not lessmem.compressed_layers(lessmem.compress(copy.deepcopy(model), choice))
+
+
+def test_train_nothing_fits_is_one_line(run_cli, tiny, tmp_path: Path) -> None:
+    result = run_cli(train_main, "lessmem-train", *tiny, f"out_dir={tmp_path}", "memory_budget=1KiB")
+    assert result.is_one_error("lessmem-train", "largest batch that fits")
+
+
+def test_train_stock_fits_records_budget(compose, tiny, tmp_path: Path) -> None:
+    metrics = run(compose(*tiny, f"out_dir={tmp_path}", "memory_budget=10GiB"))
+    memory = json.loads((tmp_path / "memory.json").read_text())
+    for record in (metrics, memory):
+        assert record["memory_budget_bytes"] == 10 * 2**30 and record["budget_stock_fits"]
+        assert record["compression"] == "budget_10GiB" and record["step_peak_bytes"] <= 10 * 2**30
