@@ -2,11 +2,11 @@
 (``run``). Importing it makes the configs' resolvers (``${lessmem.data_root:NAME}``) available."""
 
 from lessmem.experiment.checkpoint import load_checkpoint
-from lessmem.experiment.compose import compose_config
-from lessmem.experiment.coverage_files import coverage_for_config, save_report
+from lessmem.experiment.compression import build_model_from_cfg
 from lessmem.experiment.data import fixed_batches
-from lessmem.experiment.model import build_model_from_cfg
+from lessmem.experiment.loggers import coverage_for_config, save_report
 from lessmem.experiment.paths import (
+    compose_config,
     conf_dir,
     default_data_root,
     register_config_resolvers,
