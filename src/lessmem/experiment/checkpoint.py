@@ -59,8 +59,9 @@ class Interrupted(BaseException):  # noqa: N818 (not an error: a requested stop,
 
     def __init__(self, signum: int, where: Position, steps: int, out_dir: Path) -> None:
         self.signum, self.exit_code, self.out_dir = signum, 128 + signum, out_dir
+        self.name = signal.Signals(signum).name
         self.where = f"epoch {where.epoch + 1} step {where.step}/{steps}" if where.step else f"after epoch {where.epoch}"
-        super().__init__(f"{signal.Signals(signum).name}: stopped {self.where}, checkpoint "
+        super().__init__(f"{self.name}: stopped {self.where}, checkpoint "
                          f"{out_dir / 'checkpoint.pt'}; continue with resume=true out_dir={out_dir}")
 
 
