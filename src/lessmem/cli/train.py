@@ -48,6 +48,10 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         print(f"{PROG}: {stop.name}: stopped {stop.where}, checkpoint {stop.out_dir / 'checkpoint.pt'}; "
               f"continue with: {command}", file=sys.stderr)
         raise SystemExit(stop.exit_code) from None
+    except KeyboardInterrupt:  # before the first step (nothing to save yet), or a second Ctrl-C
+        print(f"{PROG}: interrupted outside a training step; the last checkpoint, if any, is in {cfg.out_dir}",
+              file=sys.stderr)
+        raise SystemExit(130) from None
     print(
         f"{m['model']} / {m['compression']}: {task_of(cfg).headline(m)}, saved {m['saved_bytes'] / 2**20:.2f} MiB vs stock "
         f"{m['stock_saved_bytes'] / 2**20:.2f} MiB (ratio {m['ratio']:.3f}), whole-step peak ratio "
