@@ -91,15 +91,17 @@ def _plain(value: Any) -> Any:
     return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig | ListConfig) else value
 
 
-def parse_map_string(text: str) -> dict[str, str]:
-    """``"layer1.*:4,*:2"`` -> ``{"layer1.*": "4", "*": "2"}`` (order kept: first match wins)."""
-    mapping: dict[str, str] = {}
+def parse_map_string(text: str) -> dict[str, Any]:
+    """``"layer1.*:4,*:2/int4"`` -> ``{"layer1.*": 4, "*": "2/int4"}`` (order kept: first match wins;
+    a bare kernel is a number, as in a YAML map, so equal maps hash equally)."""
+    mapping: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         pattern, colon, spec = item.rpartition(":")
         if not colon or not pattern.strip() or not spec.strip():
             raise ValueError(f"compression.map={text!r}: {item!r} is not PATTERN:SPEC; write {MAP_FORM}")
-        mapping[pattern.strip()] = spec.strip()
-    return mapping
+        spec = spec.strip()
+        mapping[pattern.strip()] = int(spec) if spec.isdigit() else spec
+    return _checked(mapping, f"compression.map={text!r}")
 
 
 def _read_map_file(ccfg: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Path]:
