@@ -16,7 +16,7 @@ from lessmem.cli import sensitivity
 from lessmem.core.rounding import next_key, set_rounding_seed
 from lessmem.experiment import load_checkpoint
 from lessmem.experiment.checkpoint import RESUME_KEYS
-from lessmem.experiment.seeds import rng_state, set_rng_state
+from lessmem.experiment.runtime import rng_state, set_rng_state
 
 SENSITIVITY_BASE = ["model=resnet20", "dataset=synthetic", "dataset.size=16", "device=cpu"]
 

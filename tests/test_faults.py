@@ -1,6 +1,6 @@
 """Crashes and bad inputs through the console entries (subprocesses, CPU, tiny synthetic data).
 
-Kills are real SIGKILLs: ``LESSMEM_FAULT=<point>:<n>`` (``lessmem.experiment.faults``) makes the process
+Kills are real SIGKILLs: ``LESSMEM_FAULT=<point>:<n>`` (``lessmem.experiment.runtime.fault_point``) makes the process
 kill itself at a chosen step or inside a checkpoint write, so the crash lands at the same place
 every time. After each kill a ``resume=true`` run must end exactly like an uninterrupted one.
 """

@@ -19,8 +19,7 @@ import lessmem
 import lessmem.experiment.train as train_mod
 from lessmem.cli.sensitivity import main as sensitivity_main
 from lessmem.experiment import compose_config, coverage_for_config, fixed_batches, task_of
-from lessmem.experiment.data import build_loaders
-from lessmem.experiment.data.blocks import RandomBlockLoader, SequentialBlockLoader
+from lessmem.experiment.data import RandomBlockLoader, SequentialBlockLoader, build_loaders
 from lessmem.experiment.data.text import stdlib_text, text_files
 from lessmem.experiment.task import TokenCrossEntropy
 from lessmem.experiment.train import TIME_KEYS, run

@@ -55,3 +55,30 @@ def test_a_run_keeping_more_than_stock_says_so(compose, tiny, tmp_path: Path,
     assert metrics["ratio"] > 1 and metrics["compression"] == "naive"
     assert any("keeps" in r.message and "the stock bytes" in r.message and "exact_companions is off"
                in r.message for r in caplog.records)
+
+
+def test_command_line_map_string_takes_globs_and_dotted_names(compose) -> None:
+    cfg = compose("compression=pool2", 'compression.map="layer1.*:4,layer2.0.conv1:2/int4,*:2"')
+    choice = resolve_compression(cfg.compression)
+    assert list(choice.map.items()) == [("layer1.*", 4), ("layer2.0.conv1", "2/int4"), ("*", 2)]
+
+
+def test_a_changed_preset_is_labelled_by_what_ran(compose) -> None:
+    stock = resolve_compression(compose("compression=pool2").compression)
+    changed = resolve_compression(compose("compression=none", 'compression.map="*:int8"').compression)
+    assert stock.name == "pool2"
+    assert changed.name == f"none+{changed.digest[:6]}" and changed.map == {"*": "int8"}
+
+
+def test_errors_name_what_the_user_wrote(compose) -> None:
+    with pytest.raises(ValueError, match=r"compression.map \{'nolayer': 2\} on top of preset 'pool2'"):
+        run(compose("compression=pool2", 'compression.map="nolayer:2,*:2"', "dataset=synthetic"))
+    with pytest.raises(ValueError, match="'layer1' maps to .*nested keys; write compression.map="):
+        resolve_compression(compose("compression=none", "+compression.map.layer1.conv1=4").compression)
+    with pytest.raises(ValueError, match="'layer1.\\*' is not PATTERN:SPEC"):
+        resolve_compression(compose('compression.map="layer1.*"').compression)
+
+
+def test_a_stock_run_has_ratios_of_exactly_one(compose, tiny, tmp_path: Path) -> None:
+    m = run(compose(*tiny, "compression=none", f"out_dir={tmp_path}"))
+    assert m["compression"] == "none" and m["ratio"] == 1 and m["step_peak_ratio"] == 1

@@ -24,6 +24,8 @@ from typing import Any
 from lessmem.core import STORAGES, describe_storage
 from lessmem.experiment import conf_dir, default_data_root, resolve_path
 
+MAP_COMMAND_LINE = '''lessmem-train compression=pool2 'compression.map="layer1.*:4,layer2.0.conv1:2/int4,*:2"'''
+
 GROUPS = ("model", "compression", "dataset", "optimizer", "scheduler", "logger", "experiment",
           "hydra/launcher")
 # The forms of a compression map value (lessmem.core.parse_spec), each with what it keeps.
@@ -72,6 +74,7 @@ def available() -> dict[str, Any]:
         "architectures": sorted(MODELS),
         "groups": config_options(),
         "spec_syntax": SPEC_SYNTAX,
+        "map_form": MAP_COMMAND_LINE,
         "storages": {storage: describe_storage(storage) for storage in STORAGES},
     }
 
@@ -103,13 +106,12 @@ def render(info: dict[str, Any], groups: Sequence[str] = ()) -> str:
 
 
 def _spec_lines(info: dict[str, Any]) -> list[str]:
-    """How a compression map's values read: {PATTERN: SPEC}, in a compression config or map file,
-    or ``++compression.map.NAME=SPEC`` on the command line (a new name goes after the preset's
-    patterns, so a preset's ``*`` matches first)."""
+    """How a compression map's values read: {PATTERN: SPEC} in a compression config or map file;
+    on the command line one string of PATTERN:SPEC pairs (globs and dotted names as written)."""
     width = max(len(k) for k in (*info["spec_syntax"], *info["storages"]))
     return [
-        "compression map values ({PATTERN: SPEC}, first matching pattern wins; "
-        "++compression.map.NAME=SPEC on the command line adds or replaces one, new names last):",
+        "compression map values ({PATTERN: SPEC} in a config or map file, first matching pattern wins;",
+        f"on the command line the whole map as one string: {info['map_form']}):",
         *[f"  {form.ljust(width)}  {text}" for form, text in info["spec_syntax"].items()],
         "storages:",
         *[f"  {storage.ljust(width)}  {text}" for storage, text in info["storages"].items()],
@@ -128,12 +130,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lessmem-info: error: unknown group(s) {unknown}; groups: {', '.join(GROUPS)}", file=sys.stderr)
         return 2
     info = available()
-    if args.json:
-        if args.groups:
-            info["groups"] = {g: o for g, o in info["groups"].items() if g in args.groups}
-        print(json.dumps(info, indent=1))
-    else:
-        print(render(info, args.groups))
+    if args.json and args.groups:
+        info["groups"] = {g: o for g, o in info["groups"].items() if g in args.groups}
+    try:
+        print(json.dumps(info, indent=1) if args.json else render(info, args.groups), flush=True)
+    except BrokenPipeError:  # the reader left (`lessmem-info --json | head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141
     return 0
 
 

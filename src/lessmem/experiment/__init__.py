@@ -1,12 +1,12 @@
 """The experiment framework: a composed Hydra config in, a trained and measured run out
 (``run``). Importing it makes the configs' resolvers (``${lessmem.data_root:NAME}``) available."""
 
-from lessmem.experiment.checkpoint import load_checkpoint
-from lessmem.experiment.compose import compose_config
-from lessmem.experiment.coverage_files import coverage_for_config, save_report
+from lessmem.experiment.checkpoint import Interrupted, load_checkpoint
+from lessmem.experiment.compression import build_model_from_cfg
 from lessmem.experiment.data import fixed_batches
-from lessmem.experiment.model import build_model_from_cfg
+from lessmem.experiment.loggers import coverage_for_config, save_report
 from lessmem.experiment.paths import (
+    compose_config,
     conf_dir,
     default_data_root,
     register_config_resolvers,
@@ -18,6 +18,7 @@ from lessmem.experiment.train import run
 register_config_resolvers()
 
 __all__ = [
+    "Interrupted",
     "build_model_from_cfg",
     "compose_config",
     "conf_dir",

@@ -1,13 +1,25 @@
-"""Experiment trackers behind one small interface: W&B (offline/online), CSV, or nothing."""
+"""What a run reports while it trains: experiment trackers behind one small interface (W&B
+offline / online, CSV, or nothing), the progress lines (one per epoch; one every N steps where no
+terminal shows the bars), and the coverage files (which saved tensors are compressed and which
+stay full size: ``coverage.csv``, ``coverage.json`` with rows + totals, ``coverage.png``)."""
 
 from __future__ import annotations
 
 import csv
+import json
 import os
+from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
+from torch import Tensor, nn
+
+from lessmem.core import CoverageReport, coverage
+from lessmem.experiment.compression import build_model_from_cfg, compress_as_configured
+from lessmem.experiment.task import task_of
 
 
 class Logger:
@@ -52,11 +64,11 @@ class CsvLogger(Logger):
 
 
 class WandbLogger(Logger):
-    def __init__(self, cfg: DictConfig, lcfg: DictConfig, out_dir: Path, resume_id: str | None) -> None:
+    def __init__(self, config: dict[str, Any], lcfg: Mapping[str, Any], out_dir: Path, resume_id: str | None) -> None:
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
-        self.cfg = OmegaConf.to_container(cfg, resolve=True)
+        self.cfg = config
         self.run = wandb.init(
             project=lcfg.get("project", "lessmem"),
             entity=lcfg.get("entity"),
@@ -64,7 +76,7 @@ class WandbLogger(Logger):
             name=lcfg.get("run_name"),
             tags=list(lcfg.get("tags") or []),
             mode=lcfg.get("mode", "offline"),
-            config=OmegaConf.to_container(cfg, resolve=True),
+            config=config,
             dir=str(out_dir),
             id=resume_id,
             resume="allow" if resume_id else None,
@@ -118,8 +130,10 @@ class WandbLogger(Logger):
         self.run.finish(exit_code=exit_code)
 
 
-def build_logger(cfg: DictConfig, out_dir: Path) -> Logger:
+def build_logger(cfg: Mapping[str, Any], out_dir: Path) -> Logger:
     """``cfg`` is the whole run config (logged as W&B config); the tracker comes from ``cfg.logger``."""
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
     lcfg = cfg.get("logger") or {}
     name = lcfg.get("name", "disabled")
     if name == "wandb":
@@ -127,7 +141,7 @@ def build_logger(cfg: DictConfig, out_dir: Path) -> Logger:
             return Logger()
         id_file = out_dir / "wandb_id.txt"
         resume_id = id_file.read_text().strip() if cfg.get("resume") and id_file.exists() else None
-        logger = WandbLogger(cfg, lcfg, out_dir, resume_id)
+        logger = WandbLogger(dict(cfg), lcfg, out_dir, resume_id)
         id_file.write_text(logger.id)
         return logger
     if name == "csv":
@@ -135,3 +149,77 @@ def build_logger(cfg: DictConfig, out_dir: Path) -> Logger:
     if name == "disabled":
         return Logger()
     raise ValueError(f"unknown logger {name!r}; available: wandb, csv, disabled")
+
+
+def coverage_for_config(cfg: DictConfig, batch: int | None = None) -> CoverageReport:
+    """Coverage of the configured model and compression map on a random input batch of the
+    task's shape (saved bytes depend on shapes only, not on pixel values or token ids)."""
+    task = task_of(cfg)
+    torch.manual_seed(int(cfg.get("seed", 0)))
+    model = build_model_from_cfg(cfg).train()
+    compress_as_configured(model, cfg)
+    return coverage(model, task.random_inputs(cfg.dataset, int(batch or cfg.memory_batch)))
+
+
+def write_coverage(model: nn.Module, x: Tensor, out_dir: Path, title: str) -> CoverageReport:
+    """Coverage of ``model`` on ``x``, written to ``out_dir`` (coverage.csv/json/png)."""
+    report = coverage(model, x)
+    save_report(report, out_dir, title)
+    return report
+
+
+def save_report(report: CoverageReport, out: Path, title: str = "") -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"csv": out / "coverage.csv", "json": out / "coverage.json", "png": out / "coverage.png"}
+    records = report.as_records()
+    with open(paths["csv"], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(records[0]))
+        writer.writeheader()
+        writer.writerows(records)
+    paths["json"].write_text(json.dumps({"summary": report.summary(), "rows": records}, indent=1))
+    plot_layers(report, paths["png"], title)
+    return paths
+
+
+def plot_layers(report: CoverageReport, path: Path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    compressed: dict[str, int] = defaultdict(int)
+    full: dict[str, int] = defaultdict(int)
+    for r in report.rows:
+        (compressed if r.compressed else full)[r.layer] += r.bytes
+    layers = list(dict.fromkeys(r.layer for r in report.rows))
+    mib = 2**20
+    fig, ax = plt.subplots(figsize=(max(8, 0.22 * len(layers)), 4.5))
+    xs = range(len(layers))
+    full_v = [full[n] / mib for n in layers]
+    ax.bar(xs, full_v, color="#d62728", label="kept full size")
+    ax.bar(xs, [compressed[n] / mib for n in layers], bottom=full_v, color="#2ca02c",
+           label="compressed (pooled / bits / uint8)")
+    ax.set_xticks(list(xs), layers, rotation=90, fontsize=6)
+    ax.set_ylabel("saved for backward (MiB)")
+    s = report.summary()
+    note = f"total {s['total_bytes'] / mib:.1f} MiB"
+    if s["stock_bytes"]:
+        note += f" = {s['share_of_stock']:.3f}x stock; exact-propagation floor {s['floor_share_of_stock']:.3f}x"
+    ax.set_title(f"{title}\n{note}" if title else note, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def epoch_line(record: dict[str, Any], epochs: int, ratio: float) -> str:
+    """One line per epoch: loss, the task's validation metric, saved ratio, time."""
+    metric = (f"val_top1 {record['val_top1']:.4f}" if "val_top1" in record
+              else f"val_ppl {record['val_ppl']:.3f}")
+    return (f"epoch {record['epoch']}/{epochs}: train_loss {record['train_loss']:.4f}, {metric}, "
+            f"val_loss {record['val_loss']:.4f}, saved ratio {ratio:.3f}, {record['epoch_time_s']:.1f}s")
+
+
+def step_line(epoch: int, step: int, steps: int, loss: float, lr: float) -> str:
+    """A progress line within an epoch, where no terminal shows the bar."""
+    return f"epoch {epoch + 1} step {step}/{steps}: loss {loss:.4f}, lr {lr:.3g}"

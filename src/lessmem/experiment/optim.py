@@ -3,29 +3,30 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
 
-def build_optimizer(ocfg: DictConfig, params: Any) -> torch.optim.Optimizer:
-    if ocfg.name == "sgd":
-        return torch.optim.SGD(params, lr=ocfg.lr, momentum=ocfg.get("momentum", 0.0),
+def build_optimizer(ocfg: Mapping[str, Any], params: Any) -> torch.optim.Optimizer:
+    name = ocfg["name"]
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=ocfg["lr"], momentum=ocfg.get("momentum", 0.0),
                                weight_decay=ocfg.get("weight_decay", 0.0),
                                nesterov=bool(ocfg.get("nesterov", False)))
-    if ocfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=ocfg.lr, betas=tuple(ocfg.get("betas", (0.9, 0.999))),
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=ocfg["lr"], betas=tuple(ocfg.get("betas", (0.9, 0.999))),
                                  weight_decay=ocfg.get("weight_decay", 0.01))
-    raise ValueError(f"unknown optimizer {ocfg.name!r}; available: sgd, adamw")
+    raise ValueError(f"unknown optimizer {name!r}; available: sgd, adamw")
 
 
-def build_scheduler(scfg: DictConfig, optimizer: torch.optim.Optimizer, epochs: int,
+def build_scheduler(scfg: Mapping[str, Any], optimizer: torch.optim.Optimizer, epochs: int,
                     steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
     """Per-step schedule: linear warmup, then cosine / step / constant. The cosine horizon is
     ``epochs``, so resume with the same ``epochs`` to reproduce an uninterrupted run."""
     total, warmup = epochs * steps_per_epoch, int(scfg.get("warmup_epochs", 0) * steps_per_epoch)
-    name = scfg.name
+    name = scfg["name"]
     if name not in ("cosine", "step", "none"):
         raise ValueError(f"unknown scheduler {name!r}; available: cosine, step, none")
     floor = float(scfg.get("min_lr_ratio", 0.0))

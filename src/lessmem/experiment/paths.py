@@ -1,4 +1,5 @@
-"""Where the Hydra configs, data and caches live (no heavy imports).
+"""Where the Hydra configs, data and caches live, and composing the configs outside
+``@hydra.main`` (sensitivity, coverage, search). No heavy imports: Hydra loads on first compose.
 
 The configs ship inside the package (``lessmem/conf``, package data), so a plain
 ``pip install .`` or a wheel finds them; in a checkout ``<repo>/conf`` is a symlink to them.
@@ -6,8 +7,14 @@ The configs ship inside the package (``lessmem/conf``, package data), so a plain
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # src/lessmem
 PACKAGE_CONF = PACKAGE_DIR / "conf"
@@ -59,3 +66,27 @@ def resolve_path(path: str | os.PathLike[str]) -> Path:
     if p.exists() or REPO_ROOT is None:
         return p.resolve()
     return (REPO_ROOT / p).resolve()
+
+
+def compose_config(overrides: Sequence[str], config_name: str = "train") -> DictConfig:
+    """Hydra compose of ``<conf_dir>/<config_name>.yaml`` with command-line style overrides."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        return compose(config_name, overrides=list(overrides))
+
+
+@contextlib.contextmanager
+def open_struct(cfg: DictConfig) -> Iterator[None]:
+    """Allow new keys for a moment (configs from compose() are in struct mode)."""
+    from omegaconf import OmegaConf
+
+    struct = OmegaConf.is_struct(cfg)
+    OmegaConf.set_struct(cfg, False)
+    try:
+        yield
+    finally:
+        OmegaConf.set_struct(cfg, struct)

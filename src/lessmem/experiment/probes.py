@@ -29,29 +29,36 @@ def first_batch(loader: Any, n: int) -> tuple[Tensor, Tensor]:
     return torch.cat(xs)[:n], torch.cat(ys)[:n]
 
 
-def measure(stock: nn.Module, model: nn.Module, batch: tuple[Tensor, Tensor], device: torch.device,
+def measure(stock: nn.Module, model: nn.Module | None, batch: tuple[Tensor, Tensor], device: torch.device,
             precision: str, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
             loss_fn: Callable[[Tensor, Tensor], Tensor]) -> dict[str, Any]:
     """Saved-for-backward bytes and whole-step peak memory (forward, backward, optimizer step)
-    of the stock and the compressed model on one batch, the step's loss ``loss_fn``. Runs on copies in train mode so the
-    weights, BatchNorm statistics and RNG of the real model are untouched."""
+    of the stock and the compressed model on one batch, the step's loss ``loss_fn``. Runs on
+    copies in train mode so the weights, BatchNorm statistics and RNG of the real model are
+    untouched. ``model`` None: the run is stock, measured once (its ratios are exactly 1)."""
     x, y = batch
     out: dict[str, Any] = {"memory_batch": len(x)}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        measured = {}
         for prefix, net in (("stock_", stock), ("", model)):
+            if net is None:
+                measured[prefix] = measured["stock_"]
+                continue
             net = copy.deepcopy(net).to(device).train()
             with autocast(device, precision):
                 report = measure_memory(net, x.to(device))
-            out[f"{prefix}saved_bytes"] = report.total_bytes
-            out[f"{prefix}cuda_peak_bytes"] = report.cuda_peak_bytes
             step = measure_step_memory(net, (x.to(device), y.to(device)), optimizer=make_optimizer(net),
                                        loss_fn=loss_fn, amp_dtype=PRECISIONS[precision])
-            out[f"{prefix}step_peak_bytes"] = step.peak_bytes
-            if not prefix:
-                out["saved_bytes_per_layer"] = report.per_layer
-                out["step_peak_phase"] = step.phase
-                out["step_peak_by_category"] = step.by_category
+            measured[prefix] = (report, step)
             del net
+    for prefix, (report, step) in measured.items():
+        out[f"{prefix}saved_bytes"] = report.total_bytes
+        out[f"{prefix}cuda_peak_bytes"] = report.cuda_peak_bytes
+        out[f"{prefix}step_peak_bytes"] = step.peak_bytes
+    report, step = measured[""]
+    out["saved_bytes_per_layer"] = report.per_layer
+    out["step_peak_phase"] = step.phase
+    out["step_peak_by_category"] = step.by_category
     out["ratio"] = out["saved_bytes"] / out["stock_saved_bytes"] if out["stock_saved_bytes"] else float("nan")
     out["step_peak_ratio"] = out["step_peak_bytes"] / out["stock_step_peak_bytes"]
     return out

@@ -4,10 +4,18 @@
 from lessmem.experiment.data.datasets import build_datasets
 from lessmem.experiment.data.fixed import fixed_batches
 from lessmem.experiment.data.images import TensorImages
-from lessmem.experiment.data.loaders import DatasetLoader, TensorLoader, build_loaders
+from lessmem.experiment.data.loaders import (
+    DatasetLoader,
+    RandomBlockLoader,
+    SequentialBlockLoader,
+    TensorLoader,
+    build_loaders,
+)
 
 __all__ = [
     "DatasetLoader",
+    "RandomBlockLoader",
+    "SequentialBlockLoader",
     "TensorImages",
     "TensorLoader",
     "build_datasets",

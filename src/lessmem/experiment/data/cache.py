@@ -19,8 +19,8 @@ from tqdm.auto import tqdm
 
 from lessmem.experiment.data.images import TensorImages
 from lessmem.experiment.data.scan import ImageFolderSplit
-from lessmem.experiment.files import atomic_torch_save
 from lessmem.experiment.paths import cache_dir
+from lessmem.experiment.runtime import atomic_torch_save
 
 
 def decode_image(path: str, size: int | None) -> np.ndarray:

@@ -8,13 +8,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lessmem.experiment.data.blocks import RandomBlockLoader
 from lessmem.experiment.data.cache import decode_samples
 from lessmem.experiment.data.datasets import dataset_splits
 from lessmem.experiment.data.images import TensorImages
-from lessmem.experiment.data.loaders import TensorLoader
+from lessmem.experiment.data.loaders import EpochSharding, RandomBlockLoader, TensorLoader
 from lessmem.experiment.data.scan import ImageFolderSplit
-from lessmem.experiment.data.sharding import EpochSharding
 from lessmem.experiment.data.text import TokenStream
 
 
