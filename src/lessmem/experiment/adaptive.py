@@ -17,35 +17,32 @@ import copy
 import json
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from lessmem.core import measure_memory, uncompress
-from lessmem.experiment.compression import apply_adapted
+from lessmem.experiment.spec import RunSpec
 from lessmem.sensitivity import DEFAULT_CRITERION, measure_menu
 
 log = logging.getLogger(__name__)
 
 
-def adapt_compression(net: nn.Module, probe: tuple[Tensor, Tensor], acfg: Any, cfg: DictConfig,
-                      epoch: int, x_memory: Tensor, out_dir: Path, logger: Any,
-                      is_main: bool, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> dict[str, Any]:
+def adapt_compression(net: nn.Module, probe: tuple[Tensor, Tensor], spec: RunSpec, epoch: int,
+                      x_memory: Tensor, logger: Any) -> dict[str, Any]:
     """Re-measure on the fixed ``probe`` batch (with the run's loss), apply the new choice to
     ``net`` (the module itself, not its DDP / compiled wrapper) and log it; returns the choice in force."""
     device = next(net.parameters()).device
     batch = [(probe[0].to(device), probe[1].to(device))]
     was_training = net.training
     net.train()
-    adapted, change = _menu_choice(net, batch, acfg, loss_fn)
-    apply_adapted(net, adapted, cfg)
+    adapted, change = _menu_choice(net, batch, spec.adaptive, spec.task.criterion)
+    spec.choice.adapted(adapted).apply(net)
     # Measured in train mode, as training runs it (after an evaluation the net is in eval mode).
     change = {"epoch": epoch, **change, "saved_bytes": measure_memory(net, x_memory.to(device)).total_bytes}
     net.train(was_training)
-    if is_main:
-        with (out_dir / "adaptive.jsonl").open("a") as f:
+    if spec.ddp.is_main:
+        with (spec.out_dir / "adaptive.jsonl").open("a") as f:
             f.write(json.dumps(change) + "\n")
         log.info("adaptive choice at epoch %d: %s", epoch,
                  ", ".join(f"{k} {v:.4g}" for k, v in change.items() if isinstance(v, float)))
@@ -53,13 +50,13 @@ def adapt_compression(net: nn.Module, probe: tuple[Tensor, Tensor], acfg: Any, c
     return adapted
 
 
-def _menu_choice(model: nn.Module, batch: list[tuple[Tensor, Tensor]], acfg: Any,
+def _menu_choice(model: nn.Module, batch: list[tuple[Tensor, Tensor]], acfg: dict[str, Any],
                  loss_fn: Callable[[Tensor, Tensor], Tensor]) -> tuple[dict[str, Any], dict[str, Any]]:
     # The menu is measured on stock layers carrying the current weights (a copy: the run's model
     # keeps its compressed layers and optimizer state).
     stock = uncompress(copy.deepcopy(model)).train()
-    menu = measure_menu(stock, batch, [int(k) for k in acfg.kernels], [str(s) for s in acfg.storages],
-                        [str(s) for s in acfg.norm_storages], [str(s) for s in acfg.act_storages], loss_fn)
+    menu = measure_menu(stock, batch, [int(k) for k in acfg["kernels"]], [str(s) for s in acfg["storages"]],
+                        [str(s) for s in acfg["norm_storages"]], [str(s) for s in acfg["act_storages"]], loss_fn)
     criterion = str(acfg.get("criterion") or DEFAULT_CRITERION)
     choice = menu.make_map(float(acfg.get("budget")), criterion)
     adapted = {"map": choice.map, "norm_storage": choice.norm_storage, "act_storage": choice.act_storage}

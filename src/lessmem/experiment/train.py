@@ -115,8 +115,7 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
                     torch.manual_seed(epoch_seed(spec.seed, at.epoch))
                     if spec.adapt_every and at.epoch % spec.adapt_every == 0:
                         at.adaptive_map = adapt_compression(
-                            state.net, probe, spec.adaptive, cfg, at.epoch, memory_batch[0], spec.out_dir,
-                            logger, main, spec.task.criterion)
+                            state.net, probe, spec, at.epoch, memory_batch[0], logger)
                 train_loader.set_epoch(at.epoch, start=at.step)
                 record = train_epoch(state, spec, train_loader, at, stop, logger, checkpoints)
                 record.update(evaluate(state.net, val_loader, spec.task, spec.device, spec.precision))

@@ -51,6 +51,10 @@ STATIC_CATEGORIES = ("parameters", "gradients", "optimizer_state")
 CLOSE_ENOUGH = 0.9  # a verified map at or above this fraction of the budget ends the search
 
 
+# Real steps measured to verify (and tighten) a choice before it is taken as is.
+MAX_VERIFIED = 4
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("LESSMEM_CACHE") or Path.home() / ".cache" / "lessmem") / "budget"
 
@@ -102,7 +106,7 @@ class NoFit(ValueError):
 def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | float, *,
         optimizer: OptimizerFactory | None = None, loss_fn: LossFn = F.cross_entropy,
         amp_dtype: torch.dtype | None = None, criterion: str = DEFAULT_CRITERION,
-        cache_dir: str | Path | None = None, max_verified: int = 4) -> BudgetChoice:
+        cache_dir: str | Path | None = None) -> BudgetChoice:
     """The map of least ``criterion`` whose whole training step (forward, backward,
     ``optimizer(params).step()``) on ``batch`` peaks within ``budget`` (bytes, or ``"6GiB"``,
     ``"750MiB"``). Stock fits: a choice with ``stock=True`` and an empty map. Nothing fits:
@@ -132,7 +136,7 @@ def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | floa
     tried: set[float] = set()
     verified = 0
     target = profile.peaks.saved_for(budget_bytes)
-    while verified < max_verified:
+    while verified < MAX_VERIFIED:
         choice = profile.menu.make_map(max(target, least), criterion)
         saved = choice.score["bytes"]
         if saved in tried:
