@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
+import os
 import tempfile
 import time
 
@@ -107,9 +108,9 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     model, batch, loss_fn = setup(args)
-    cache = tempfile.mkdtemp()
+    os.environ["LESSMEM_CACHE"] = tempfile.mkdtemp()  # a fresh cache: the profile's cost is measured
     start = time.perf_counter()
-    profile = budget_profile(model, batch, optimizer=sgd, loss_fn=loss_fn, cache_dir=cache)
+    profile = budget_profile(model, batch, optimizer=sgd, loss_fn=loss_fn)
     t_step = step_time(copy.deepcopy(model).train(), batch, loss_fn, args.steps)
     print(f"{args.model} b{args.batch}: stock peak {profile.stock_peak / MIB:.1f} MiB, floor "
           f"{profile.floor_peak / MIB:.1f} MiB, profile {time.perf_counter() - start:.1f}s = "
@@ -121,7 +122,7 @@ def main() -> None:
     for i in range(args.budgets):
         budget = int(profile.stock_peak - (profile.stock_peak - profile.floor_peak) * (i + 0.5) / args.budgets)
         t0 = time.perf_counter()
-        choice = lessmem.fit(model, batch, budget, optimizer=sgd, loss_fn=loss_fn, cache_dir=cache)
+        choice = lessmem.fit(model, batch, budget, optimizer=sgd, loss_fn=loss_fn)
         t_fit = time.perf_counter() - t0
         net = lessmem.compress(copy.deepcopy(model).train(), choice)
         row = {"budget_mib": budget / MIB, "lessmem_peak_mib": choice.step_peak_bytes / MIB,

@@ -21,6 +21,12 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
+@pytest.fixture(autouse=True)
+def budget_cache(monkeypatch, tmp_path: Path) -> None:
+    """Each test its own (empty) measurement cache."""
+    monkeypatch.setenv("LESSMEM_CACHE", str(tmp_path))
+
+
 @pytest.fixture(scope="module")
 def setup():
     torch.manual_seed(0)
@@ -50,24 +56,24 @@ def test_label_round_trips() -> None:
 def test_budget_holds(setup, tmp_path: Path) -> None:
     model, batch, stock = setup
     budget = int(0.6 * stock)
-    choice = lessmem.fit(model, batch, budget, optimizer=sgd, cache_dir=tmp_path)
+    choice = lessmem.fit(model, batch, budget, optimizer=sgd)
     assert not choice.stock and choice.map and choice.step_peak_bytes <= budget
     net = lessmem.compress(copy.deepcopy(model), choice)
     assert lessmem.measure_step_memory(net, batch, optimizer=sgd(net.parameters())).peak_bytes <= budget
     # From the cache: the menu and the measured points of the first search (a map may change with them).
-    again = lessmem.fit(model, batch, budget, optimizer=sgd, cache_dir=tmp_path)
-    assert again.step_peak_bytes <= budget and len(list(tmp_path.glob("*.json"))) == 1
+    again = lessmem.fit(model, batch, budget, optimizer=sgd)
+    assert again.step_peak_bytes <= budget and len(list((tmp_path / "budget").glob("*.json"))) == 1
 
 
 def test_nothing_fits(setup, tmp_path: Path) -> None:
     model, batch, _ = setup
     with pytest.raises(NoFit, match=r"smallest whole-step peak the menu reaches is .*largest batch that fits"):
-        lessmem.fit(model, batch, "1KiB", optimizer=sgd, cache_dir=tmp_path)
+        lessmem.fit(model, batch, "1KiB", optimizer=sgd)
 
 
 def test_stock_fits(setup, tmp_path: Path) -> None:
     model, batch, stock = setup
-    choice = lessmem.fit(model, batch, stock, optimizer=sgd, cache_dir=tmp_path)
+    choice = lessmem.fit(model, batch, stock, optimizer=sgd)
     assert choice.stock and choice.map == {} and choice.step_peak_bytes == stock
     assert not lessmem.compressed_layers(lessmem.compress(copy.deepcopy(model), choice))
 

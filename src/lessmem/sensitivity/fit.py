@@ -105,16 +105,15 @@ class NoFit(ValueError):
 
 def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | float, *,
         optimizer: OptimizerFactory | None = None, loss_fn: LossFn = F.cross_entropy,
-        amp_dtype: torch.dtype | None = None, criterion: str = DEFAULT_CRITERION,
-        cache_dir: str | Path | None = None) -> BudgetChoice:
+        amp_dtype: torch.dtype | None = None, criterion: str = DEFAULT_CRITERION) -> BudgetChoice:
     """The map of least ``criterion`` whose whole training step (forward, backward,
     ``optimizer(params).step()``) on ``batch`` peaks within ``budget`` (bytes, or ``"6GiB"``,
     ``"750MiB"``). Stock fits: a choice with ``stock=True`` and an empty map. Nothing fits:
     ``NoFit`` (a ValueError) naming the smallest peak the menu reaches and the largest batch
-    that fits. ``model`` is not changed (measured on copies); ``cache_dir=None``:
+    that fits. ``model`` is not changed (measured on copies); measurements are cached in
     ``~/.cache/lessmem/budget`` (``$LESSMEM_CACHE/budget``)."""
     budget_bytes = parse_bytes(budget)
-    step, cache_file, profile = _profile(model, batch, optimizer, loss_fn, amp_dtype, cache_dir)
+    step, cache_file, profile = _profile(model, batch, optimizer, loss_fn, amp_dtype)
     base = {"budget_bytes": budget_bytes, "batch_size": profile.batch_size, "criterion": criterion,
             "stock_step_peak_bytes": profile.stock_peak}
     if profile.stock_peak <= budget_bytes:
@@ -165,9 +164,9 @@ def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | floa
 
 def budget_profile(model: nn.Module, batch: tuple[Tensor, Tensor], *, optimizer: OptimizerFactory | None = None,
                    loss_fn: LossFn = F.cross_entropy, amp_dtype: torch.dtype | None = None,
-                   criterion: str = DEFAULT_CRITERION, cache_dir: str | Path | None = None) -> BudgetProfile:
+                   criterion: str = DEFAULT_CRITERION) -> BudgetProfile:
     """The menu, stock's and the floor's peaks and the peak model of ``fit`` (measured or cached)."""
-    step, cache_file, profile = _profile(model, batch, optimizer, loss_fn, amp_dtype, cache_dir)
+    step, cache_file, profile = _profile(model, batch, optimizer, loss_fn, amp_dtype)
     if profile.menu is None:
         _measure_floor(profile, step, batch, loss_fn, criterion)
         _save(cache_file, profile)
@@ -175,9 +174,9 @@ def budget_profile(model: nn.Module, batch: tuple[Tensor, Tensor], *, optimizer:
 
 
 def _profile(model: nn.Module, batch: tuple[Tensor, Tensor], optimizer: OptimizerFactory | None, loss_fn: LossFn,
-             amp_dtype: torch.dtype | None, cache_dir: str | Path | None) -> tuple[_Stepper, Path, BudgetProfile]:
+             amp_dtype: torch.dtype | None) -> tuple[_Stepper, Path, BudgetProfile]:
     step = _Stepper(model, batch, optimizer, loss_fn, amp_dtype)
-    cache_file = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / f"{step.key()}.json"
+    cache_file = default_cache_dir() / f"{step.key()}.json"
     return step, cache_file, _load(cache_file) or BudgetProfile(len(batch[0]), step.peak(None).peak_bytes)
 
 
