@@ -14,7 +14,12 @@ Left alone (handed on unchanged):
   a copy would add bytes);
 - inside lessmem's own layers, what they made without autograd history (pooled copies, masks,
   packed codes: an autograd Function's forward runs without grad), which is stored already;
-- small or non-floating tensors, and bf16 storage of a tensor already 2 bytes wide.
+- small or non-floating tensors, and bf16 storage of a tensor already 2 bytes wide;
+- for b-bit codes, a tensor without autograd history that holds an infinity or NaN (an additive
+  attention mask of -inf, which a graph of ``torch.compile`` saves: every tensor such a graph
+  saves is without history, so this costs a pass, and a sync on a GPU, per saved tensor there;
+  in eager mode only constants are checked). A group of codes cannot hold one: its min or scale
+  would be infinite and every decoded value of the group NaN.
 Packed too: constants made in forward (dropout masks, rotary tables). Not recognised: a
 module's buffers saved as they are (rare, and small in the models measured).
 
@@ -49,6 +54,7 @@ from lessmem.core.functions.kept_input import VIEW_OPS
 from lessmem.core.memory import byte_range, storage_key
 from lessmem.core.storage import (
     BFLOAT16,
+    BITS,
     Storage,
     TensorMeta,
     pack_tensor,
@@ -150,6 +156,7 @@ class _Hooks:
             or (self.in_layer and t.grad_fn is None and not t.requires_grad)
             or storage_key(t) in self.held
             or _is_parameter(t)
+            or (self.storage in BITS and t.grad_fn is None and not bool(t.isfinite().all()))
         )
 
     def _outer_pack(self, t: Tensor) -> Any:

@@ -110,17 +110,51 @@ def pack_tensor(x: Tensor, storage: Storage) -> tuple[Tensor, ...]:
         return (x,)
     if storage == "bf16_rn" or (storage == "bf16" and x.dtype == torch.bfloat16):  # x is its own copy
         return (x.to(torch.bfloat16),)
+    if torch.compiler.is_compiling():
+        # Opaque ops under torch.compile: the noise key is drawn when the graph runs (traced, it
+        # would be one constant), and what they return is fresh (a view of an intermediate saved
+        # inside an autograd.Function fails to trace).
+        if storage == "bf16":
+            return (torch.ops.lessmem.round_bf16(x),)
+        return tuple(torch.ops.lessmem.quantize(x, BITS[storage], is_stochastic(storage)))
+    if storage == "bf16":
+        return (_round_bf16(x),)
+    return _quantize(x, BITS[storage], is_stochastic(storage))
+
+
+@torch.library.custom_op("lessmem::round_bf16", mutates_args=())
+def _round_bf16(x: Tensor) -> Tensor:
+    """Stochastic bf16 storage of x (not bfloat16 itself), in x's layout (channels-last or contiguous)."""
     meta = tensor_meta(x)
     flat = _flat(x, meta.channels_last)
-    stochastic = is_stochastic(storage)
+    key = next_key()
+    fused = _fused_group_kernels(flat) if flat.dtype in FUSED_DTYPES else None
+    rounded = fused.round_bf16(flat.contiguous(), key) if fused is not None else _round_bf16_reference(flat, key)
+    return _unflat(rounded, meta)
+
+
+@_round_bf16.register_fake
+def _(x):
+    layout = torch.channels_last if tensor_meta(x).channels_last else torch.contiguous_format
+    return x.new_empty(x.shape, dtype=torch.bfloat16).contiguous(memory_format=layout)
+
+
+@torch.library.custom_op("lessmem::quantize", mutates_args=())
+def _quantize(x: Tensor, bits: int, stochastic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(codes, min, scale) of x's ``bits``-bit storage, rounded stochastically or to nearest."""
+    flat = _flat(x, tensor_meta(x).channels_last)
     key = next_key() if stochastic else 0
     fused = _fused_group_kernels(flat) if flat.dtype in FUSED_DTYPES else None
-    if storage == "bf16":
-        rounded = fused.round_bf16(flat.contiguous(), key) if fused is not None else _round_bf16_reference(flat, key)
-        return (_unflat(rounded, meta),)
     if fused is not None:  # one fused pass, the reference's bits
-        return fused.quantize_groups(flat.contiguous(), BITS[storage], key, stochastic)
-    return _quantize_reference(flat, BITS[storage], key, stochastic)
+        return fused.quantize_groups(flat.contiguous(), bits, key, stochastic)
+    return _quantize_reference(flat, bits, key, stochastic)
+
+
+@_quantize.register_fake
+def _(x, bits, stochastic):
+    groups = -(-x.numel() // GROUP)
+    return (x.new_empty((groups * GROUP * bits // 8,), dtype=torch.uint8),
+            x.new_empty((groups,), dtype=torch.float32), x.new_empty((groups,), dtype=torch.float32))
 
 
 def _round_bf16_reference(flat: Tensor, key: int) -> Tensor:
