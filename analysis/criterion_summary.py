@@ -128,7 +128,7 @@ def markdown(result: dict) -> str:
              "stock model after its first epoch. Maps: uniform, random per-layer draws over the whole menu in "
              "saved-bytes bins of 0.05 from 0.05 to 0.65, and knapsack choices (`grad_error_*`, `cosine_*`; "
              "`*_kernels`: the kernel-only menu). Commands: `python analysis/criterion_check.py --out DIR`, "
-             "`lessmem-sensitivity model=resnet20 sensitivity.menu=true sensitivity.batches=4 "
+             "`lessmem-sensitivity model=resnet20 sensitivity.batches=4 "
              "sensitivity.batch_size=64 sensitivity.checkpoint=DIR/runs/stock/seed0/checkpoint_epoch1.pt "
              "sensitivity.out=DIR/menu`, `python analysis/criterion_summary.py DIR`.", "",
              "| criterion | Spearman rho with final top-1 (+1 = perfect) | 95% bootstrap interval | minus the best's rho (95%) |",

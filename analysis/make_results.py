@@ -188,7 +188,7 @@ def budget_section(results: Path, docs: Path) -> list[str]:
     files, written by analysis/criterion_summary.py and analysis/proof_summary.py)."""
     lines = []
     for sub, title, missing in (
-        ("menu.md", "The compressor menu of resnet20", "lessmem-sensitivity ... sensitivity.menu=true"),
+        ("menu.md", "The compressor menu of resnet20", "lessmem-sensitivity ..."),
         ("criterion_check/summary.md", "Does the criterion predict accuracy?",
          "python analysis/criterion_check.py, then python analysis/criterion_summary.py"),
         ("budget_proof/summary.md", "Maps at a memory budget: chosen vs uniform vs searched, paired seeds",

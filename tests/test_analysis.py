@@ -139,23 +139,23 @@ def test_pareto_front_on_any_columns() -> None:
 
 
 def test_report_on_search(tmp_path: Path) -> None:
-    from lessmem.search import load_sweep, run_search
+    from lessmem.search import run_search
 
     base = ["model=resnet20", "dataset=synthetic", "dataset.size=64", "dataset.val_size=32",
-            "logger=disabled", "device=cpu"]
-    args = {"study_name": "t", "out_dir": str(tmp_path / "s"), "n_trials": 4, "population_size": 4,
-            "kernels": [1, 2, 4], "groups": ["conv1", "layer1.*", "layer2.*", "layer3.*"],
-            "sensitivity": {"batches": 1, "batch_size": 8}}
+            "logger=disabled", "device=cpu", "epochs=1", "batch_size=32", "memory_batch=4"]
+    args = {"study_name": "t", "out_dir": str(tmp_path / "s"), "n_trials": 4, "menu": "kernels", "budget": 0.6,
+            "sensitivity.batches": 1, "sensitivity.batch_size": 4}  # the memory batch: bytes compare
     dot = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in args.items()]
-    run_search(load_sweep(None, [*dot, f"base_overrides={json.dumps(base)}"]))
+    summary = run_search(compose_config([*dot, f"base_overrides={json.dumps(base)}"], "search"))
     out = tmp_path / "rep"
     assert script("report").main([str(tmp_path / "s"), "--out", str(out)]) == 0
     rows = R.load_search(tmp_path / "s")  # from study.journal
-    assert len(rows) == 4 and {r["seed"] for r in rows} >= {"uniform_1", "uniform_2"}
-    u1 = next(r for r in rows if r["seed"] == "uniform_1")
-    assert u1["ratio"] == pytest.approx(1.0) and u1["score"] == pytest.approx(1.0)
+    assert len(rows) == 4 and {r["seed"] for r in rows} >= {"knapsack"}
+    knapsack = next(r for r in rows if r["seed"] == "knapsack")
+    assert knapsack["ratio"] <= 0.6 and knapsack["score"] == pytest.approx(summary["knapsack"]["score"])
+    assert knapsack["measured_ratio"] == pytest.approx(knapsack["ratio"])  # the menu's prediction, measured
     front = R.pareto_front(rows)
-    assert {r["trial"] for r in front} <= {r["trial"] for r in rows} and any(r["seed"] == "uniform_1" for r in front)
+    assert {r["trial"] for r in front} <= {r["trial"] for r in rows} and front
     with (out / "table.csv").open() as f:
         assert len(list(csv.DictReader(f))) == 4
     assert "Pareto" in (out / "table.md").read_text()
@@ -244,7 +244,8 @@ def test_wandb_offline_sweep_run(sweep: Path, tmp_path: Path, monkeypatch: pytes
     assert list((sweep / "wandb").glob("offline-run-*")), "offline run dir for `wandb sync`"
 
 
-def test_make_results_handles_missing_and_present(sweep: Path, tmp_path: Path) -> None:
+def test_make_results_handles_missing_and_present(sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ANALYSIS))  # it imports its sibling per_layer, as a script does
     mk = script("make_results")
     results = tmp_path / "docs" / "results"
     results.mkdir(parents=True)

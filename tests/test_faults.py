@@ -103,27 +103,27 @@ def test_kill_inside_checkpoint_write_then_resume(straight: dict, tmp_path: Path
 def test_search_worker_killed_mid_trial_then_rerun(tmp_path: Path) -> None:
     import optuna
 
-    from lessmem.search import load_sweep, open_study
+    from lessmem.search import make_storage
 
     base = [a for a in TINY if not a.startswith(("compression=", "epochs="))] + ["epochs=1"]
-    opts = {"study_name": "k", "out_dir": str(tmp_path / "s"), "n_trials": 2, "mode": "budget",
-            "objective": "accuracy", "budget": 0.3, "population_size": 4, "kernels": [1, 2, 4],
-            "groups": ["conv1", "layer1.*", "layer2.*", "layer3.*"], "poll_s": 0.5,
-            "sensitivity": {"batches": 1, "batch_size": 8}, "base_overrides": base}
+    opts = {"study_name": "k", "out_dir": str(tmp_path / "s"), "n_trials": 2, "menu": "kernels",
+            "budget": 0.6, "poll_s": 0.5, "sensitivity.batches": 1, "sensitivity.batch_size": 8,
+            "base_overrides": base}
     args = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in opts.items()]
-    cmd = [sys.executable, "-m", "lessmem.cli.search", "--worker", *args]
+    cmd = [sys.executable, "-m", "lessmem.cli.search", "-cd", str(Path(__file__).parents[1] / "sweeps"),
+           "-cn", "train_resnet20", "worker=true", *args]
     journal = tmp_path / "s" / "study.journal"
 
     killed = subprocess.run(cmd, cwd=tmp_path, env=_env("train_step:1"), capture_output=True,
                             text=True, timeout=300)
     assert killed.returncode == KILLED, killed.stderr[-3000:]
-    study = open_study(load_sweep(None, args), journal)  # the journal loads after the kill
+    study = optuna.load_study(study_name="k", storage=make_storage(journal))  # the journal loads after the kill
     running = [t for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
     assert len(running) == 1 and not any(t.state.is_finished() for t in study.trials)
 
     rerun = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
-    study = open_study(load_sweep(None, args), journal)
+    study = optuna.load_study(study_name="k", storage=make_storage(journal))
     states = [t.state for t in study.trials]
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(complete) == 2  # exactly n_trials

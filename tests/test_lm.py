@@ -24,7 +24,7 @@ from lessmem.experiment.data.text import stdlib_text, text_files
 from lessmem.experiment.task import TokenCrossEntropy
 from lessmem.experiment.train import TIME_KEYS, run
 from lessmem.models import build_model
-from lessmem.sensitivity import sensitivity
+from lessmem.sensitivity import measure_menu
 
 pytest.importorskip("transformers")
 
@@ -194,31 +194,34 @@ def test_sensitivity_predicts_the_pooled_lm_gradients(name: str) -> None:
     cfg = compose_config(TINY_LM)
     model = build_model(name, 256, **SMALL_LMS[name])
     x, y = fixed_batches(cfg, 1, 4)[0]
-    res = sensitivity(model.train(), [(x, y)], kernels=(1, 2), loss_fn=task_of(cfg).criterion)
+    res = measure_menu(model.train(), [(x, y)], kernels=(1, 2), storages=("native",), norm_storages=(),
+                       act_storages=(), loss_fn=task_of(cfg).criterion)
+    items = {i.name: i for i in res.items if i.kind == "linear"}
     stock, pooled = copy.deepcopy(model), copy.deepcopy(model)
     lessmem.compress(pooled, {"*": 2})
     for net in (stock, pooled):
         TokenCrossEntropy()(net(x), y).backward()
     tied = {"lm.lm_head"} if name == "tiny_gpt2" else set()  # its weight is the embedding's too
-    checked = [n for n in res.layers if n not in tied]
-    assert len(checked) >= 8
+    checked = [n for n in items if n not in tied]
+    assert len(checked) >= 6
     for layer in checked:
         g_stock, g_pooled = (net.get_submodule(layer).weight.grad.flatten() for net in (stock, pooled))
         assert F.cosine_similarity(g_stock, g_pooled, dim=0).item() == pytest.approx(
-            res.cosine_mean[res.layers.index(layer), 1], abs=1e-4), layer
-    assert res.cosine_mean[:, 0] == pytest.approx(1.0, abs=1e-6)
-    kept = [n for n in res.layers if n.endswith(("o_proj", "attn.c_proj"))]  # attention output: kept anyway
-    assert kept and all(res.nbytes[res.layers.index(n)].tolist() == [0, 0] for n in kept)
-    assert res.saved_bytes(res.uniform_map(2)) < res.baseline_bytes()
+            items[layer].mean("cosine")[1], abs=1e-4), layer
+    assert all(i.mean("cosine")[0] == pytest.approx(1.0, abs=1e-6) for i in items.values())
+    kept = [n for n, _ in model.named_modules() if n.endswith(("o_proj", "attn.c_proj"))]  # attention output: kept anyway
+    assert kept and not set(kept) & set(items)  # nothing to choose there: not on the menu
+    assert res.uniform("2")["ratio"] < 1
 
 
 def test_sensitivity_cli_on_the_lm(tmp_path: Path, run_cli: Callable[..., object]) -> None:
     result = run_cli(sensitivity_main, "lessmem-sensitivity", *TINY_LM, "sensitivity.batches=2",
-                     "sensitivity.batch_size=4", f"sensitivity.out={tmp_path}", "sensitivity.kernels=[1,2]")
+                     "sensitivity.batch_size=4", f"sensitivity.out={tmp_path}", "menu=kernels", "menu.kernels=[1,2]",
+                     "sensitivity.budget=0.9")
     assert result.status == 0, result.stderr
-    table = json.loads((tmp_path / "sensitivity.json").read_text())
-    assert "lm.model.layers.0.mlp.down_proj" in table["layers"]
-    generated = tmp_path / "sensitivity_tiny_llama.yaml"
+    table = json.loads((tmp_path / "menu.json").read_text())
+    assert "lm.model.layers.0.mlp.down_proj" in [i["name"] for i in table["items"]]
+    generated = tmp_path / "menu_tiny_llama.yaml"
     overrides = [*TINY_LM, f"compression.map_file={generated}", f"out_dir={tmp_path / 'run'}", "epochs=1"]
     assert math.isfinite(run(compose_config(overrides))["final_val_ppl"])
 

@@ -120,32 +120,32 @@ SEARCH_BASE = ["model=resnet20", "dataset=synthetic", "dataset.size=64", "datase
 
 
 def _search_args(out: Path, storage: str, n_trials: int) -> list[str]:
-    args = {"study_name": "w", "out_dir": str(out), "storage": storage, "n_trials": n_trials,
-            "population_size": 4, "kernels": [1, 2, 4], "poll_s": 0.5,
-            "groups": ["conv1", "layer1.*", "layer2.*", "layer3.*"], "sensitivity": {"batches": 1, "batch_size": 8},
-            "base_overrides": SEARCH_BASE}
-    return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in args.items()]
+    base = [*SEARCH_BASE, "epochs=1", "batch_size=32", "eval_batch_size=32", "memory_batch=4"]
+    args = {"out_dir": str(out), "storage": storage, "n_trials": n_trials, "budget": 0.6, "poll_s": 0.5,
+            "sensitivity.batches": 1, "sensitivity.batch_size": 8, "base_overrides": base}
+    return ["menu=kernels", *(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in args.items())]
 
 
 def test_two_search_workers_share_fixed_trial_count(tmp_path: Path) -> None:
     import optuna
 
-    from lessmem.search import load_sweep, open_study
+    from lessmem.search import make_storage
 
-    out, n = tmp_path / "s", 10
+    out, n = tmp_path / "s", 4
     args = _search_args(out, str(out / "study.journal"), n)
-    cmd = [sys.executable, "-m", "lessmem.cli.search", "--worker", *args]
+    cmd = [sys.executable, "-m", "lessmem.cli.search", "-cd", str(REPO / "sweeps"), "-cn", "train_resnet20",
+           "worker=true", *args]
     procs = [subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
     for p in procs:
         stdout, stderr = p.communicate(timeout=300)
         assert p.returncode == 0, stdout[-2000:] + stderr[-4000:]
-    study = open_study(load_sweep(None, args), out / "study.journal")
+    study = optuna.load_study(study_name="train_resnet20", storage=make_storage(out / "study.journal"))
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(complete) == n  # exactly n together, none counted twice
     assert not [t for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
     seeds = [t.user_attrs["seed"] for t in complete if "seed" in t.user_attrs]
-    assert sorted(seeds) == ["sensitivity", "uniform_1", "uniform_2", "uniform_4"]  # enqueued once, run once
+    assert seeds == ["knapsack"]  # enqueued once, run once
     assert all("worker" in t.user_attrs for t in complete)
     assert json.loads((out / "summary.json").read_text())["complete_trials"] == n
 
@@ -158,10 +158,9 @@ def test_worker_stale_handling_spares_live_trials(tmp_path: Path) -> None:
     import optuna
     from optuna.storages import RDBStorage
 
-    from lessmem.search import fail_dead_trials, load_sweep, make_storage, open_study
+    from lessmem.search import Heartbeat, fail_dead_trials, make_storage
 
-    sweep = load_sweep(None, _search_args(tmp_path / "s", str(tmp_path / "j.journal"), 3))
-    study = open_study(sweep, tmp_path / "j.journal", worker=True)
+    study = optuna.create_study(study_name="w", storage=make_storage(tmp_path / "j.journal"))
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
     live, gone = study.ask({"x": optuna.distributions.IntDistribution(0, 9)}), study.ask({"x": optuna.distributions.IntDistribution(0, 9)})
@@ -173,7 +172,7 @@ def test_worker_stale_handling_spares_live_trials(tmp_path: Path) -> None:
     assert states[live.number] == "RUNNING" and states[fresh.number] == "RUNNING"
     assert states[gone.number] == "FAIL" and list(states.values()).count("WAITING") == 1
 
-    storage = make_storage(sweep, f"sqlite:///{tmp_path / 'rdb.db'}")
+    storage = make_storage(f"sqlite:///{tmp_path / 'rdb.db'}", Heartbeat())
     assert isinstance(storage, RDBStorage) and storage.heartbeat_interval == 60
     assert storage.get_heartbeat_stale_trial_callback() is not None
 

@@ -98,3 +98,25 @@ def test_search_without_a_config_is_a_usage_error(monkeypatch, capsys) -> None:
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("lessmem-search: error: no search config")
+
+
+def test_search_command_runs_a_sweeps_config(tmp_path, run_cli) -> None:
+    """``lessmem-search -cd sweeps -cn menu_resnet20`` as documented, on tiny data: the sweep's own
+    menu file, criterion, score and pruner; the report lands in out_dir. A budget below the menu's
+    smallest map is one error line before any trial."""
+    from pathlib import Path
+
+    from lessmem.cli import search
+
+    repo = Path(__file__).parents[1]
+    cmd = ["-cd", str(repo / "sweeps"), "-cn", "menu_resnet20", "n_trials=1",
+           f"menu_file={repo / 'docs/results/criterion_check/menu/menu.json'}", f"base_overrides={json.dumps(BASE)}"]
+    result = run_cli(search.main, "lessmem-search", *cmd, f"out_dir={tmp_path / 's'}")
+    assert result.status == 0, result.stderr
+    summary = json.loads((tmp_path / "s" / "summary.json").read_text())
+    assert summary["complete_trials"] == 1 and summary["knapsack"]["trial"] == 0
+    assert (summary["criterion"], summary["score_key"], summary["pruner"]) == ("grad_error", "final_top1", "median")
+    assert summary["knapsack"]["ratio"] <= summary["budget"] == 0.547
+    result = run_cli(search.main, "lessmem-search", *cmd, "budget=0.01", f"out_dir={tmp_path / 'small'}")
+    assert result.is_one_error("lessmem-search", "no map fits 0.010x stock saved bytes"), result
+    assert not (tmp_path / "small" / "study.journal").exists()

@@ -213,34 +213,35 @@ def test_adaptive_schedule_reassigns_kernels_within_budget(tmp_path: Path) -> No
     from lessmem.models import build_model
 
     out = tmp_path / "adaptive"
-    metrics = run(make_cfg(out, "adaptive.every=1", "adaptive.budget=0.3", "adaptive.probe_batch=16",
+    metrics = run(make_cfg(out, "adaptive.every=1", "adaptive.budget=0.6", "adaptive.probe_batch=16",
+                           "adaptive.storages=[native]", "adaptive.norm_storages=[]", "adaptive.act_storages=[]",
                            "compression=none"))
     changes = [json.loads(line) for line in (out / "adaptive.jsonl").read_text().splitlines()]
     assert [c["epoch"] for c in changes] == [0, 1]  # epochs=2, re-measured every epoch
     for c in changes:
-        assert c["conv_input_bytes"] <= 0.3 * c["conv_input_bytes_uncompressed"]
-        assert c["map"] and all(k > 1 for k in c["map"].values())
-        assert 0.0 < c["mean_grad_cosine"] < 1.0
-    assert (out / "sensitivity.csv").read_text().count("\n") > 1
+        assert c["predicted_ratio"] <= 0.6
+        assert c["map"] and all(int(k) > 1 for k in c["map"].values()) and c["norm_storage"] == "native"
+        assert 0.0 < c["cosine"] < 1.0
     assert metrics["epochs"] == 2
     # The checkpoint carries the map in force, and resume re-applies it.
     ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
     assert ckpt["adaptive_map"] is not None
     model = build_model("resnet20", num_classes=10)
     apply_adapted(model, ckpt["adaptive_map"], make_cfg(out))
-    assert {n: s.kernel[0] for n, s in lessmem.compressed_layers(model).items()} == changes[-1]["map"]
+    kernels = {n: str(s.kernel[0]) for n, s in lessmem.compressed_layers(model).items() if s.kernel[0] > 1}
+    assert kernels == changes[-1]["map"]
 
 
 @needs_cifar
 def test_adaptive_menu_rechooses_map_and_storages_within_budget(tmp_path: Path) -> None:
-    """adaptive.menu=true: the whole menu re-measured each time, map and BatchNorm storages chosen
+    """The whole menu re-measured each time, map and BatchNorm storages chosen
     within the total-saved-bytes budget (the run measures what the knapsack predicted), and resume
     re-applies the choice in force."""
     import lessmem
     from lessmem.models import build_model
 
     out = tmp_path / "adaptive_menu"
-    over = ["adaptive.every=1", "adaptive.menu=true", "adaptive.budget=0.3", "adaptive.probe_batch=4",
+    over = ["adaptive.every=1", "adaptive.budget=0.3", "adaptive.probe_batch=4",
             "adaptive.kernels=[1,2]", "adaptive.storages=[native,int8,int4]", "adaptive.norm_storages=[int8,int4]",
             "adaptive.criterion=grad_error", "compression=none"]
     metrics = run(make_cfg(out, *over))

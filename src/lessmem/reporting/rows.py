@@ -79,7 +79,7 @@ def row_from(cfg: Mapping[str, Any], metrics: Mapping[str, Any], *, name: str | 
 
 
 def accuracy_key(rows: Sequence[Mapping[str, Any]]) -> str:
-    """``top1`` when any row has it, else ``score`` (fidelity searches)."""
+    """``top1`` when any row has it, else ``score`` (search trials without a training run)."""
     return "top1" if any(r.get("top1") is not None for r in rows) else "score"
 
 

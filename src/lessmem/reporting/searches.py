@@ -1,12 +1,13 @@
 """Rows of a ``lessmem.search`` directory: its Optuna journal (or ``trials.csv``), plus the
-trained trials' run directories for accuracy searches."""
+trained trials' run directories."""
 
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from lessmem.reporting.rows import kernel_summary
 from lessmem.reporting.runs import run_row
@@ -20,25 +21,24 @@ def is_search_dir(path: str | Path) -> bool:
 
 
 def load_search(root: str | Path) -> list[dict[str, Any]]:
-    """One row per complete trial of a ``lessmem.search`` directory. Memory is the trial's
-    conv-input bytes; accuracy is the trained top-1 when the trial trained (accuracy objective),
-    else the score (mean gradient cosine). ``score`` keeps the search objective."""
+    """One row per complete trial of a ``lessmem.search`` directory. Memory is the trial map's
+    total saved bytes as the menu predicts them (``measured_*``: what its training run measured);
+    accuracy is the trained top-1 (a trial that met an earlier map (``same_as``) has none).
+    ``score`` keeps the search's score."""
     root = Path(root)
     trials = _journal_trials(root) if (root / "study.journal").is_file() else None
     if trials is None:
         trials = _csv_trials(root)
-    summary = json.loads((root / "summary.json").read_text()) if (root / "summary.json").is_file() else {}
-    base_bytes = summary.get("baseline_conv_input_bytes")
     rows = []
     for t in trials:
         train_dir = root / "trials" / f"{t['trial']:04d}" / "train"
         trained = run_row(train_dir) if train_dir.is_dir() else None
-        kmap = t.get("map") or {}
+        saved, ratio = t["saved_bytes"], t["ratio"]
         row = {
             "name": f"trial {t['trial']}" + (f" ({t['seed']})" if t.get("seed") else ""),
-            "map": t.get("seed") or f"trial_{t['trial']:04d}", "kernels": kernel_summary(kmap or t.get("params")),
-            "saved_bytes": t["conv_input_bytes"], "stock_saved_bytes": base_bytes, "peak_bytes": None,
-            "ratio": t["conv_input_bytes"] / base_bytes if base_bytes else None,
+            "map": t.get("seed") or f"trial_{t['trial']:04d}", "kernels": kernel_summary(_map_of(t["map_file"])),
+            "saved_bytes": saved, "stock_saved_bytes": round(saved / ratio) if saved and ratio else None,
+            "peak_bytes": None, "ratio": ratio,
             "top1": None, "top5": None, "train_time_s": None, "epochs": 0, "history": [],
             "complete": True, "path": str(train_dir if trained else root), "trial": t["trial"],
             "score": t["score"], "seed": t.get("seed", ""),
@@ -49,6 +49,13 @@ def load_search(root: str | Path) -> list[dict[str, Any]]:
             row["measured_saved_bytes"], row["measured_ratio"] = trained["saved_bytes"], trained["ratio"]
         rows.append(row)
     return rows
+
+
+def _map_of(map_file: str) -> dict[str, Any]:
+    path = Path(map_file) if map_file else None
+    if path is None or not path.is_file():
+        return {}
+    return dict((yaml.safe_load(path.read_text()) or {}).get("map") or {})
 
 
 def _journal_trials(root: Path) -> list[dict[str, Any]] | None:
@@ -65,11 +72,10 @@ def _journal_trials(root: Path) -> list[dict[str, Any]] | None:
         study = optuna.load_study(study_name=s.study_name, storage=storage)
         for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
             a = t.user_attrs
-            if "conv_input_bytes" not in a or "score" not in a:
+            if "saved_bytes" not in a or "score" not in a:
                 continue
-            out.append({"trial": t.number, "seed": a.get("seed", ""), "conv_input_bytes": a["conv_input_bytes"],
-                        "score": a["score"], "map": a.get("map") or {},
-                        "params": {k.removeprefix("k:"): v for k, v in t.params.items()}})
+            out.append({"trial": t.number, "seed": a.get("seed", ""), "saved_bytes": a["saved_bytes"],
+                        "ratio": a["ratio"], "score": a["score"], "map_file": a.get("map_file", "")})
     return out
 
 
@@ -80,7 +86,9 @@ def _csv_trials(root: Path) -> list[dict[str, Any]]:
     out = []
     with path.open() as f:
         for r in csv.DictReader(f):
+            if r["state"] != "complete":
+                continue
             out.append({"trial": int(r["trial"]), "seed": r.get("seed", ""),
-                        "conv_input_bytes": int(float(r["conv_input_bytes"])), "score": float(r["score"]),
-                        "params": json.loads(r.get("params") or "{}")})
+                        "saved_bytes": int(float(r["saved_bytes"])), "ratio": float(r["ratio"]),
+                        "score": float(r["score"]), "map_file": r.get("map_file", "")})
     return out

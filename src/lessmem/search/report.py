@@ -15,7 +15,8 @@ from omegaconf import DictConfig
 
 from lessmem.reporting import pyplot, save_figure
 
-FIELDS = ["trial", "seed", "state", "pruned_at_epoch", "ratio", "criterion", "score", "same_as", "map_file"]
+FIELDS = ["trial", "seed", "state", "pruned_at_epoch", "saved_bytes", "ratio", "criterion", "score", "same_as",
+          "map_file"]
 
 
 def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
@@ -29,7 +30,8 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
         score = value if pruned else a.get("score")
         rows.append({"trial": t.number, "seed": a.get("seed", ""), "state": "pruned" if pruned else "complete",
                      "pruned_at_epoch": last if pruned and last is not None else "",
-                     "ratio": a.get("ratio"), "criterion": a.get("criterion"), "score": score,
+                     "saved_bytes": a.get("saved_bytes"), "ratio": a.get("ratio"), "criterion": a.get("criterion"),
+                     "score": score,
                      "same_as": a.get("same_as", ""), "map_file": a.get("map_file", "")})
     return sorted(rows, key=lambda r: r["trial"])
 

@@ -65,6 +65,7 @@ def run_search(search: DictConfig) -> dict[str, Any]:
     base = compose_config(list(search.base_overrides))
     menu = (MenuResult.load(str(search.menu_file)) if search.menu_file
             else cached_menu(base, search.menu, search.sensitivity, out_dir / "menu"))
+    menu.make_map(float(search.budget), str(search.criterion))  # a budget no map fits: one error, not failed trials
     objective = Objective(search, base, menu)
     study, created = open_search_study(search)
     stale = fail_dead_trials(study, float(search.grace_s)) if search.worker else fail_interrupted(study)
