@@ -19,7 +19,6 @@ from lessmem.core.functions.packed_chunks import sliceable, unpack_samples
 from lessmem.core.functions.pooled_input import save_pooled_input, saved_pooled_input
 from lessmem.core.functions.pooling import expand_blocks, pooled_once
 from lessmem.core.kernels import cpu as cpu_kernels
-from lessmem.core.layout import format_of
 
 # Output-gradient elements from which a layer with no input gradient takes its weight gradient in
 # batch slices, and the slice size: a few MiB of scratch instead of a full-size one.
@@ -91,19 +90,16 @@ def pooled_conv_grads(grad_out, pooled, shape, weight, has_bias, stride, padding
     elif needs[1] and block_grid_fits(shape, kernel, stride) and block_path_pays(grad_out, weight, groups,
                                                                                 kernel, stride):
         gw = block_weight_grad(grad_out, pooled, shape, weight, stride, padding, dilation, groups, kernel)
-    if gw is None:
+    if gw is None and needs[1]:
         # Small inputs (per-op overhead dominates), layers where the passes over the output gradient
         # would cost more than they save, and geometries the pooled grid does not take: expand the
         # means and make one convolution_backward call for all three gradients.
-        x_hat = expand_blocks(pooled, kernel, shape[2:]) if needs[1] else _input_like(grad_out, shape)
-        if needs[1] and not needs[0] and grad_out.numel() >= CHUNKED_WEIGHT_GRAD_MIN:
+        x_hat = expand_blocks(pooled, kernel, shape[2:])
+        if not needs[0] and grad_out.numel() >= CHUNKED_WEIGHT_GRAD_MIN:
             gw = chunked_weight_grad(grad_out, lambda s, e: x_hat[s:e], weight, stride, padding, dilation, groups)
             return None, gw, grad_out.sum((0, 2, 3)) if needs[2] else None
         return conv_grads(grad_out, x_hat, weight, has_bias, stride, padding, dilation, groups, needs)
-    gx = None
-    if needs[0]:
-        gx = conv_grads(grad_out, _input_like(grad_out, shape), weight, False, stride, padding,
-                        dilation, groups, (True, False, False))[0]
+    gx = input_grad(grad_out, weight, shape, stride, padding, dilation, groups) if needs[0] else None
     return gx, gw, grad_out.sum((0, 2, 3)) if needs[2] else None
 
 
@@ -130,12 +126,6 @@ def input_grad(grad_out, weight, shape, stride, padding, dilation, groups) -> Te
              for size, o, s, p, d, k in zip(shape[2:], grad_out.shape[2:], stride, padding, dilation,
                                             weight.shape[2:], strict=True)]
     return F.conv_transpose2d(grad_out, weight, None, stride, padding, extra, groups, dilation)
-
-
-def _input_like(grad_out: Tensor, shape) -> Tensor:
-    """An uninitialised stand-in for the conv input: the input gradient reads only the weight,
-    so any tensor of the input's shape (and grad_out's layout) will do."""
-    return torch.empty(shape, dtype=grad_out.dtype, device=grad_out.device, memory_format=format_of(grad_out))
 
 
 def conv_grads(grad_out, x_hat, weight, has_bias, stride, padding, dilation, groups, needs):
