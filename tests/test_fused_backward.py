@@ -101,7 +101,11 @@ def test_chunked_weight_grad_matches_one_call(monkeypatch: pytest.MonkeyPatch) -
     dict(stride=2, padding=0, dilation=1, groups=1, kernel=1, size=11),
     dict(stride=3, padding=2, dilation=2, groups=4, kernel=3, size=13),
 ])
-def test_input_grad_equals_convolution_backward(geometry: dict) -> None:
+@pytest.mark.parametrize("sliced", [False, True])
+def test_input_grad_equals_convolution_backward(geometry: dict, sliced: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if sliced:  # two samples a slice
+        monkeypatch.setattr(conv, "CHUNKED_WEIGHT_GRAD_MIN", 1)
+        monkeypatch.setattr(conv, "WEIGHT_GRAD_CHUNK", 2 * 8 * geometry["size"] ** 2)
     torch.manual_seed(0)
     g = geometry
     x, weight = torch.randn(3, 8, g["size"], g["size"]), torch.randn(12, 8 // g["groups"], g["kernel"], g["kernel"])

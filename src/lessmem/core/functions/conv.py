@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -19,6 +20,7 @@ from lessmem.core.functions.packed_chunks import sliceable, unpack_samples
 from lessmem.core.functions.pooled_input import save_pooled_input, saved_pooled_input
 from lessmem.core.functions.pooling import expand_blocks, pooled_once
 from lessmem.core.kernels import cpu as cpu_kernels
+from lessmem.core.layout import format_of
 
 # Output-gradient elements from which a layer with no input gradient takes its weight gradient in
 # batch slices, and the slice size: a few MiB of scratch instead of a full-size one.
@@ -121,11 +123,24 @@ def chunked_weight_grad(grad_out, inputs: Callable[[int, int], Tensor], weight, 
 
 def input_grad(grad_out, weight, shape, stride, padding, dilation, groups) -> Tensor:
     """conv2d's input gradient as the transposed conv of ``grad_out``: it reads only the weight,
-    so no stand-in for the input is allocated (``convolution_backward`` wants one)."""
+    so no stand-in for the input is allocated (``convolution_backward`` wants one). A large one
+    is written a batch slice at a time: the backend's full-size scratch (a reorder on CPU)
+    then stays slice-sized."""
     extra = [size - ((o - 1) * s - 2 * p + d * (k - 1) + 1)
              for size, o, s, p, d, k in zip(shape[2:], grad_out.shape[2:], stride, padding, dilation,
                                             weight.shape[2:], strict=True)]
-    return F.conv_transpose2d(grad_out, weight, None, stride, padding, extra, groups, dilation)
+    per_sample = math.prod(shape[1:])
+    n = shape[0]
+    if n * per_sample < CHUNKED_WEIGHT_GRAD_MIN or n == 1:
+        return F.conv_transpose2d(grad_out, weight, None, stride, padding, extra, groups, dilation)
+    step = max(1, WEIGHT_GRAD_CHUNK // per_sample)
+    gx = None
+    for s in range(0, n, step):
+        part = F.conv_transpose2d(grad_out[s: s + step], weight, None, stride, padding, extra, groups, dilation)
+        if gx is None:
+            gx = torch.empty(shape, dtype=part.dtype, device=part.device, memory_format=format_of(part))
+        gx[s: s + step] = part
+    return gx
 
 
 def conv_grads(grad_out, x_hat, weight, has_bias, stride, padding, dilation, groups, needs):
