@@ -10,6 +10,7 @@ machine noise hits both alike; the reported ratio is median(compressed) / median
     python benchmarks/speed.py --model resnet18 --size 64 --batch 16 --profile 2   # top ops
     python benchmarks/speed.py --maps 2/int4 --profile 2x2/int4     # top ops of a --maps config
     python benchmarks/speed.py --threads 1 --clock cpu    # CPU time: steadier on a shared machine
+    python benchmarks/speed.py --maps int2 --norm-storage int4    # a low-bit map, BatchNorm in int4
 
 Models: torchvision names and lessmem's registry (resnet20, resnet18_cifar, ...). ``--kernels K``
 times the map {"*": K}; ``--maps SPEC`` times {"*": SPEC} for a spec string of ``lessmem.compress``
@@ -30,6 +31,7 @@ import torchvision
 
 import lessmem
 from lessmem.core import parse_spec
+from lessmem.core.storage import STORAGES
 
 
 def train_step(model, optimizer, x, y) -> None:
@@ -47,6 +49,8 @@ def main() -> None:
                         help="pooling kernels k, each timed as the map {'*': k} (default 2 4 without --maps)")
     parser.add_argument("--maps", nargs="+", default=[], metavar="SPEC",
                         help="spec strings, each timed as the map {'*': SPEC}: e.g. 4/native int4 2/int4 int8")
+    parser.add_argument("--norm-storage", default="native", choices=STORAGES,
+                        help="BatchNorm input storage of every compressed config (int4 with --maps int2: the low-bit map)")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
@@ -71,7 +75,7 @@ def main() -> None:
     stock = stock.to(memory_format=fmt)
     models = {"stock": stock}
     for name, spec in specs.items():
-        models[name] = lessmem.compress(copy.deepcopy(stock), {"*": spec})
+        models[name] = lessmem.compress(copy.deepcopy(stock), {"*": spec}, norm_storage=args.norm_storage)
     optimizers = {n: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for n, m in models.items()}
     if args.compile:
         models = {n: torch.compile(m) for n, m in models.items()}

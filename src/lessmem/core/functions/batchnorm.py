@@ -62,8 +62,8 @@ def chunked_batch_norm_backward(grad: Tensor, packed, storage: Storage, meta: Te
     sum_dy = grad.sum((0, 2, 3), dtype=torch.float32)
     dot = torch.zeros_like(sum_dy)  # sum of grad * (x - mean)
     for s in range(0, n, step):
-        x = unpack_samples(packed, storage, meta, s, min(n, s + step))
-        dot += (x.sub_(mean.view(chan)) * grad[s: s + step]).sum((0, 2, 3), dtype=torch.float32)
+        x = _centered(unpack_samples(packed, storage, meta, s, min(n, s + step)), mean.view(chan), packed)
+        dot += (x.mul_(grad[s: s + step])).sum((0, 2, 3), dtype=torch.float32)
     gw = (dot * invstd).to(weight.dtype) if mask[1] else None
     gb = sum_dy.to(weight.dtype) if mask[2] else None
     if not mask[0]:
@@ -73,8 +73,8 @@ def chunked_batch_norm_backward(grad: Tensor, packed, storage: Storage, meta: Te
     scale = (invstd * weight).view(chan)
     gx = grad if inplace else torch.empty_like(grad)
     for s in range(0, n, step):
-        x = unpack_samples(packed, storage, meta, s, min(n, s + step))
-        x = x.sub_(mean.view(chan)).mul_(proj).add_(shift)
+        x = _centered(unpack_samples(packed, storage, meta, s, min(n, s + step)), mean.view(chan), packed)
+        x = x.mul_(proj).add_(shift)
         part = gx[s: s + step]
         if inplace:
             part.sub_(x)
@@ -82,3 +82,11 @@ def chunked_batch_norm_backward(grad: Tensor, packed, storage: Storage, meta: Te
             torch.sub(grad[s: s + step], x, out=part)
         part.mul_(scale)
     return gx, gw, gb
+
+
+def _centered(x: Tensor, mean: Tensor, packed) -> Tensor:
+    """x - mean, in place where x is a fresh decoded slice, a new tensor where it is a view of
+    the saved input itself (native storage, or a bf16 input kept as bf16)."""
+    if x.untyped_storage().data_ptr() == packed[0].untyped_storage().data_ptr():
+        return x - mean
+    return x.sub_(mean)

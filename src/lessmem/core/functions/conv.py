@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -13,6 +16,7 @@ from lessmem.core.functions.conv_cost import (
 )
 from lessmem.core.functions.conv_weight_grad import block_weight_grad
 from lessmem.core.functions.owned_grad import grad_target, handed_to
+from lessmem.core.functions.packed_chunks import sliceable, unpack_samples
 from lessmem.core.functions.pooled_input import save_pooled_input, saved_pooled_input
 from lessmem.core.functions.pooling import expand_blocks, pooled_once
 from lessmem.core.kernels import cpu as cpu_kernels
@@ -43,10 +47,34 @@ class PooledConv2dFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if sliced_weight_grad_takes(ctx):
+            return sliced_conv_grads(ctx, grad_out)
         weight, pooled, shape, needs = saved_pooled_input(ctx)
         gx, gw, gb = pooled_conv_grads(grad_out, pooled, shape, weight, ctx.has_bias, *ctx.conv,
                                        ctx.kernel, needs)
         return handed_to(gx, ctx.grad_target), gw, gb, None, None, None, None, None, None
+
+
+def sliced_weight_grad_takes(ctx) -> bool:
+    """Kernel 1 (the input itself packed, the int maps) where samples start on a code group: the
+    weight gradient is taken a batch slice at a time from the packed input (one slice for a
+    small layer: the plain weight gradient on the decoded input)."""
+    return (tuple(ctx.kernel) == (1, 1) and ctx.pooled_meta is not None and len(ctx.x_shape) == 4
+            and sliceable(ctx.pooled_meta, ctx.storage))
+
+
+def sliced_conv_grads(ctx, grad_out: Tensor):
+    """Backward of a kernel-1 conv from its packed input, decoded one batch slice at a time for
+    the weight gradient: no full-size decoded copy, padded copy or backend scratch of the
+    input. The input gradient reads only the weight (exact, one call)."""
+    weight, *packed = ctx.saved_tensors
+    stride, padding, dilation, groups = ctx.conv
+    gw = chunked_weight_grad(
+        grad_out, lambda s, e: unpack_samples(packed, ctx.storage, ctx.pooled_meta, s, e),
+        weight, stride, padding, dilation, groups)
+    gx = input_grad(grad_out, weight, ctx.x_shape, stride, padding, dilation, groups) if ctx.needs_input_grad[0] else None
+    gb = grad_out.sum((0, 2, 3)) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return handed_to(gx, ctx.grad_target), gw, gb, None, None, None, None, None, None
 
 
 def pooled_conv_grads(grad_out, pooled, shape, weight, has_bias, stride, padding, dilation, groups,
@@ -64,39 +92,55 @@ def pooled_conv_grads(grad_out, pooled, shape, weight, has_bias, stride, padding
     elif needs[1] and block_grid_fits(shape, kernel, stride) and block_path_pays(grad_out, weight, groups,
                                                                                 kernel, stride):
         gw = block_weight_grad(grad_out, pooled, shape, weight, stride, padding, dilation, groups, kernel)
-    if gw is None:
+    if gw is None and needs[1]:
         # Small inputs (per-op overhead dominates), layers where the passes over the output gradient
         # would cost more than they save, and geometries the pooled grid does not take: expand the
         # means and make one convolution_backward call for all three gradients.
-        x_hat = expand_blocks(pooled, kernel, shape[2:]) if needs[1] else _input_like(grad_out, shape)
-        if needs[1] and not needs[0] and grad_out.numel() >= CHUNKED_WEIGHT_GRAD_MIN:
-            gw = chunked_weight_grad(grad_out, x_hat, weight, stride, padding, dilation, groups)
+        x_hat = expand_blocks(pooled, kernel, shape[2:])
+        if not needs[0] and grad_out.numel() >= CHUNKED_WEIGHT_GRAD_MIN:
+            gw = chunked_weight_grad(grad_out, lambda s, e: x_hat[s:e], weight, stride, padding, dilation, groups)
             return None, gw, grad_out.sum((0, 2, 3)) if needs[2] else None
         return conv_grads(grad_out, x_hat, weight, has_bias, stride, padding, dilation, groups, needs)
-    gx = None
-    if needs[0]:
-        gx = conv_grads(grad_out, _input_like(grad_out, shape), weight, False, stride, padding,
-                        dilation, groups, (True, False, False))[0]
+    gx = input_grad(grad_out, weight, shape, stride, padding, dilation, groups) if needs[0] else None
     return gx, gw, grad_out.sum((0, 2, 3)) if needs[2] else None
 
 
-def chunked_weight_grad(grad_out, x_hat, weight, stride, padding, dilation, groups) -> Tensor:
-    """The weight gradient summed over batch slices of ``WEIGHT_GRAD_CHUNK`` output elements:
-    the backend's scratch copies of the output gradient (a full-size reorder on CPU) then stay
-    slice-sized. For a first layer (no input gradient), where that scratch sets the step's peak."""
+def chunked_weight_grad(grad_out, inputs: Callable[[int, int], Tensor], weight, stride, padding, dilation,
+                        groups) -> Tensor:
+    """The weight gradient summed over batch slices of ``WEIGHT_GRAD_CHUNK`` output elements,
+    ``inputs(start, stop)`` giving the input's samples: the backend's scratch copies (a full-size
+    reorder of the output gradient on CPU) and a decoded input then stay slice-sized."""
+    n = grad_out.shape[0]
     step = max(1, WEIGHT_GRAD_CHUNK // grad_out[0].numel())
     gw = None
-    for s in range(0, grad_out.shape[0], step):
-        part = conv_grads(grad_out[s: s + step], x_hat[s: s + step], weight, False, stride, padding,
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        part = conv_grads(grad_out[s:e], inputs(s, e), weight, False, stride, padding,
                           dilation, groups, (False, True, False))[1]
         gw = part if gw is None else gw.add_(part)
     return gw
 
 
-def _input_like(grad_out: Tensor, shape) -> Tensor:
-    """An uninitialised stand-in for the conv input: the input gradient reads only the weight,
-    so any tensor of the input's shape (and grad_out's layout) will do."""
-    return torch.empty(shape, dtype=grad_out.dtype, device=grad_out.device, memory_format=format_of(grad_out))
+def input_grad(grad_out, weight, shape, stride, padding, dilation, groups) -> Tensor:
+    """conv2d's input gradient as the transposed conv of ``grad_out``: it reads only the weight,
+    so no stand-in for the input is allocated (``convolution_backward`` wants one). A large one
+    is written a batch slice at a time: the backend's full-size scratch (a reorder on CPU)
+    then stays slice-sized."""
+    extra = [size - ((o - 1) * s - 2 * p + d * (k - 1) + 1)
+             for size, o, s, p, d, k in zip(shape[2:], grad_out.shape[2:], stride, padding, dilation,
+                                            weight.shape[2:], strict=True)]
+    per_sample = math.prod(shape[1:])
+    n = shape[0]
+    if n * per_sample < CHUNKED_WEIGHT_GRAD_MIN or n == 1:
+        return F.conv_transpose2d(grad_out, weight, None, stride, padding, extra, groups, dilation)
+    step = max(1, WEIGHT_GRAD_CHUNK // per_sample)
+    gx = None
+    for s in range(0, n, step):
+        part = F.conv_transpose2d(grad_out[s: s + step], weight, None, stride, padding, extra, groups, dilation)
+        if gx is None:
+            gx = torch.empty(shape, dtype=part.dtype, device=part.device, memory_format=format_of(part))
+        gx[s: s + step] = part
+    return gx
 
 
 def conv_grads(grad_out, x_hat, weight, has_bias, stride, padding, dilation, groups, needs):
