@@ -104,6 +104,7 @@ def test_accuracy_search_prunes_per_epoch(tmp_path, monkeypatch) -> None:
     assert "pruned" in rows and "Pruned trials" in (tmp_path / "s" / "pareto.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_trial_is_never_pruned_after_its_last_epoch(tmp_path, monkeypatch) -> None:
     """Pruning then saves nothing and would only throw a finished score away."""
     summary = run_search(_pruning_sweep(tmp_path, monkeypatch, epochs=1))

@@ -124,6 +124,7 @@ def test_cli_unknown_group_option_is_clear(tmp_path: Path, run_cli) -> None:
     assert result.status != 0 and "Could not find 'compression/nope'" in "\n".join(result.stderr)
 
 
+@pytest.mark.slow
 def test_wandb_offline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")  # CI exports WANDB_MODE=disabled
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
@@ -280,6 +281,7 @@ def _interrupted_in_epoch_2(cfg, monkeypatch: pytest.MonkeyPatch) -> None:
             run(cfg)
 
 
+@pytest.mark.slow
 def test_resumed_int4_run_draws_the_same_rounding_noise(compose, tiny, tmp_path, monkeypatch) -> None:
     """The checkpoint carries the rounding stream's counter: resumed after epoch 1, a 4-bit run ends
     with the uninterrupted run's weights, bit for bit; restarted from the seed's stream instead, it
