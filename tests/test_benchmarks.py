@@ -5,6 +5,7 @@ docs/results, measured by these scripts)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -19,8 +20,9 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 @pytest.fixture
 def bench(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Iterator[Callable[..., tuple[int, str, str]]]:
     """``bench(script, *args)``: the script's ``main()`` under ``sys.argv``; (exit status, stdout,
-    stderr). The scripts may set torch's thread count: it is restored afterwards."""
-    threads = torch.get_num_threads()
+    stderr). The scripts may set torch's thread count and environment variables (storage_cost.py
+    switches LESSMEM_CPU_KERNELS): both are restored afterwards."""
+    threads, environ = torch.get_num_threads(), dict(os.environ)
 
     def run(script: str, *args: str) -> tuple[int, str, str]:
         spec = importlib.util.spec_from_file_location(f"benchmark_{Path(script).stem}", BENCHMARKS / script)
@@ -40,6 +42,8 @@ def bench(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -
 
     yield run
     torch.set_num_threads(threads)
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 @pytest.fixture
