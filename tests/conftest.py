@@ -55,6 +55,14 @@ def cifar_root() -> Path:
     return CIFAR
 
 
+@pytest.fixture(scope="session")
+def tiny_cifar(tiny: tuple[str, ...], cifar_root: Path) -> tuple[str, ...]:
+    """``tiny`` on the real CIFAR-10: 64 training images, 32 to validate (skips without the data)."""
+    synthetic = ("dataset=synthetic", "dataset.size=", "dataset.val_size=")
+    return (*(o for o in tiny if not o.startswith(synthetic)),
+            f"dataset.root={cifar_root}", "dataset.train_subset=64", "dataset.val_subset=32")
+
+
 @pytest.fixture
 def compose() -> Callable[..., DictConfig]:
     """``compose(*overrides)``: the train config as Hydra composes it."""
@@ -65,6 +73,7 @@ def compose() -> Callable[..., DictConfig]:
 class CliResult:
     status: int
     stderr: list[str]  # its non-empty lines
+    stdout: str
 
     def is_one_error(self, prog: str, expected: str) -> bool:
         """The contract for a user error: exit 2 and one line ``<prog>: error: ...`` naming it."""
@@ -88,6 +97,7 @@ def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str])
             status = e.code if isinstance(e.code, int) else 1
         finally:
             GlobalHydra.instance().clear()
-        return CliResult(status, [line for line in capsys.readouterr().err.splitlines() if line.strip()])
+        out, err = capsys.readouterr()
+        return CliResult(status, [line for line in err.splitlines() if line.strip()], out)
 
     return run

@@ -1,11 +1,14 @@
-"""The benchmark scripts run end to end on tiny inputs (their figures are not checked here:
-timed claims live in docs/results, measured by these scripts)."""
+"""The benchmark scripts run end to end on tiny inputs, in this process, as ``python
+benchmarks/<script> ARGS`` would (their figures are not checked here: timed claims live in
+docs/results, measured by these scripts)."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
-import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,49 +17,82 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def _run(script: str, *args: str) -> str:
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True,
-                          text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Iterator[Callable[..., tuple[int, str, str]]]:
+    """``bench(script, *args)``: the script's ``main()`` under ``sys.argv``; (exit status, stdout,
+    stderr). The scripts may set torch's thread count and environment variables (storage_cost.py
+    switches LESSMEM_CPU_KERNELS): both are restored afterwards."""
+    threads, environ = torch.get_num_threads(), dict(os.environ)
+
+    def run(script: str, *args: str) -> tuple[int, str, str]:
+        spec = importlib.util.spec_from_file_location(f"benchmark_{Path(script).stem}", BENCHMARKS / script)
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.syspath_prepend(str(BENCHMARKS))
+        monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
+        spec.loader.exec_module(module)
+        monkeypatch.setattr(sys, "argv", [script, *args])
+        capsys.readouterr()
+        try:
+            module.main()
+            status = 0
+        except SystemExit as e:
+            status = e.code if isinstance(e.code, int) else 1
+        out, err = capsys.readouterr()
+        return status, out, err
+
+    yield run
+    torch.set_num_threads(threads)
+    os.environ.clear()
+    os.environ.update(environ)
 
 
-def test_speed_benchmark_prints_a_ratio_per_configuration() -> None:
-    out = _run("speed.py", "--model", "resnet18", "--size", "32", "--batch", "2", "--kernels", "1", "2",
+@pytest.fixture
+def stdout_of(bench: Callable[..., tuple[int, str, str]]) -> Callable[..., str]:
+    """``stdout_of(script, *args)``: the script's stdout, after a zero exit status."""
+    def run(script: str, *args: str) -> str:
+        status, out, err = bench(script, *args)
+        assert status == 0, err[-2000:]
+        return out
+
+    return run
+
+
+def test_speed_benchmark_prints_a_ratio_per_configuration(stdout_of) -> None:
+    out = stdout_of("speed.py", "--model", "resnet18", "--size", "32", "--batch", "2", "--kernels", "1", "2",
                "--repeats", "1", "--warmup", "1")
     for config in ("stock", "1x1", "2x2"):
         assert re.search(rf"^\| {config} \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", out, re.M), out
 
 
-def test_speed_benchmark_times_spec_maps_beside_kernels() -> None:
-    out = _run("speed.py", "--model", "resnet18", "--size", "32", "--batch", "2", "--kernels", "2",
+def test_speed_benchmark_times_spec_maps_beside_kernels(stdout_of) -> None:
+    out = stdout_of("speed.py", "--model", "resnet18", "--size", "32", "--batch", "2", "--kernels", "2",
                "--maps", "2", "int8", "2/int4", "--repeats", "1", "--warmup", "1", "--clock", "cpu")
     rows = re.findall(r"^\| (\S+) \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", out, re.M)
     assert rows == ["stock", "2x2", "1x1/int8", "2x2/int4"], out  # "2" is the 2x2 of --kernels
 
 
-def test_speed_benchmark_names_a_bad_spec() -> None:
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "speed.py"), "--maps", "2/int3"],
-                          capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 2 and "--maps 2/int3" in proc.stderr and "unknown storage 'int3'" in proc.stderr
+def test_speed_benchmark_names_a_bad_spec(bench) -> None:
+    status, _, err = bench("speed.py", "--maps", "2/int3")
+    assert status == 2 and "--maps 2/int3" in err and "unknown storage 'int3'" in err
 
 
-def test_storage_cost_times_fused_and_reference_packing() -> None:
-    out = _run("storage_cost.py", "--model", "resnet20", "--size", "16", "--batch", "2", "--maps", "int4", "2/int8")
+def test_storage_cost_times_fused_and_reference_packing(stdout_of) -> None:
+    out = stdout_of("storage_cost.py", "--model", "resnet20", "--size", "16", "--batch", "2", "--maps", "int4", "2/int8")
     for spec in ("int4", "2/int8"):
         for packing in ("fused", "reference"):
             assert re.search(rf"^\| {spec} \| {packing} \| [\d.]+ \| [\d.]+ \| \d+ \| [\d.]+% \|$", out, re.M), out
 
 
-def test_profile_diff_lists_ops_of_both_models() -> None:
-    out = _run("profile_diff.py", "32", "2", "1", "--rounds", "1", "--top", "40")
+def test_profile_diff_lists_ops_of_both_models(stdout_of) -> None:
+    out = stdout_of("profile_diff.py", "32", "2", "1", "--rounds", "1", "--top", "40")
     assert re.search(r"^total: stock [\d.]+, 2x2 [\d.]+$", out, re.M), out
     assert "aten::convolution_backward" in out and "PooledConv2dFunction" in out
 
 
-def test_peak_memory_benchmark_tables_fits_check_csv_and_plot(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_peak_memory_benchmark_tables_fits_check_csv_and_plot(tmp_path: Path, stdout_of) -> None:
     csv_path, png = tmp_path / "peak.csv", tmp_path / "peak.png"
-    out = _run("peak_memory.py", "--runs", "resnet20:sgd", "--batches", "2", "4", "--size", "16",
+    out = stdout_of("peak_memory.py", "--runs", "resnet20:sgd", "--batches", "2", "4", "--size", "16",
                "--configs", "stock", "2x2", "--caps", "0.05", "--check", "resnet20:sgd",
                "--check-cap", "0.02", "--csv", str(csv_path), "--plot", str(png))
     for batch in (2, 4):
@@ -68,9 +104,10 @@ def test_peak_memory_benchmark_tables_fits_check_csv_and_plot(tmp_path: Path) ->
     assert png.stat().st_size > 0
 
 
-def test_gpu_benchmark_runs_its_cpu_mode_and_writes_markdown(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_gpu_benchmark_runs_its_cpu_mode_and_writes_markdown(tmp_path: Path, stdout_of) -> None:
     md = tmp_path / "gpu.md"
-    out = _run("gpu.py", "--device", "cpu", "--models", "resnet20", "--size", "16", "--batch", "2",
+    out = stdout_of("gpu.py", "--device", "cpu", "--models", "resnet20", "--size", "16", "--batch", "2",
                "--modes", "eager", "--configs", "stock", "2x2", "--steps", "1", "--warmup", "1",
                "--kernel-shape", "2", "8", "16", "16", "--kernel-repeats", "2", "--out", str(md))
     assert md.read_text().strip() == out.strip()
@@ -81,15 +118,14 @@ def test_gpu_benchmark_runs_its_cpu_mode_and_writes_markdown(tmp_path: Path) -> 
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for machines without CUDA")
-def test_gpu_benchmark_asks_for_cpu_mode_without_cuda() -> None:
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu.py")], capture_output=True, text=True,
-                          timeout=600, check=False)
-    assert proc.returncode == 2 and "--device cpu" in proc.stderr
+def test_gpu_benchmark_asks_for_cpu_mode_without_cuda(bench) -> None:
+    status, _, err = bench("gpu.py")
+    assert status == 2 and "--device cpu" in err
 
 
-def test_zoo_benchmark_prints_a_ratio_beside_the_issues() -> None:
+def test_zoo_benchmark_prints_a_ratio_beside_the_issues(stdout_of) -> None:
     pytest.importorskip("timm")
     pytest.importorskip("transformers")
-    out = _run("zoo.py", "--models", "hf_bert", "--batch", "1", "--tokens", "32")
+    out = stdout_of("zoo.py", "--models", "hf_bert", "--batch", "1", "--tokens", "32")
     cells = r"\| [\d.]+ \| 0\.\d{3} \| 0\.913 \| <= 0\.85 \| [\d.]+ \| 0\.\d{3} \| [\d.]+ \| [\d.]+ \|$"
     assert re.search(rf"^\| hf_bert {cells}", out, re.M), out

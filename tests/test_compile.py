@@ -60,6 +60,7 @@ def total_bytes(records) -> int:
     return sum(r.nbytes for r in records)
 
 
+@pytest.mark.slow
 def test_uncompilable_storage_falls_back_with_a_named_warning():
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -109,9 +109,11 @@ def test_pooling_is_exact_for_blockwise_constant_input():
     torch.testing.assert_close(conv_grads(conv, x, g)[2], stock[2], rtol=1e-5, atol=1e-5)
 
 
-# Input side per registered model (the ViT-B/16 patch grid fixes 224); every registry entry is tested.
+# Input side per registered model (the ViT-B/16 patch grid fixes 224); every registry entry is tested,
+# the large ImageNet nets under -m slow only (their layer types are covered by the smaller ones).
 INPUT_SIZE = {"vit_b_16": 224, "vgg11_bn": 32, "resnet20": 32, "resnet18_cifar": 32, "vit_tiny_cifar": 32}
-REGISTRY = [pytest.param(name, marks=pytest.mark.slow) if name == "vit_b_16" else name for name in sorted(MODELS)]
+SLOW_MODELS = {"vit_b_16", "vgg11_bn", "resnet50"}
+REGISTRY = [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_MODELS else name for name in sorted(MODELS)]
 
 
 # Registered language models read token ids: their input gradient is an embedding's gradient (the

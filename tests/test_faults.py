@@ -78,6 +78,7 @@ def _resume_matches(out: Path, straight: dict) -> None:
     assert _comparable(resumed) == _comparable(straight)
 
 
+@pytest.mark.slow
 def test_kill_during_epoch_then_resume(straight: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = _train(out, fault="train_step:4")  # the last step of epoch 2
@@ -87,6 +88,7 @@ def test_kill_during_epoch_then_resume(straight: dict, tmp_path: Path) -> None:
     _resume_matches(out, straight)
 
 
+@pytest.mark.slow
 def test_kill_inside_checkpoint_write_then_resume(straight: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = _train(out, fault="replace_checkpoint.pt:2")  # epoch 2's checkpoint written, not renamed
@@ -100,6 +102,7 @@ def test_kill_inside_checkpoint_write_then_resume(straight: dict, tmp_path: Path
 # --------------------------------------------------------------------------- Optuna worker
 
 
+@pytest.mark.slow
 def test_search_worker_killed_mid_trial_then_rerun(tmp_path: Path) -> None:
     import optuna
 
@@ -177,6 +180,7 @@ def test_bad_inputs_give_one_error_line(case: str, bad_files: Path, tiny, run_cl
     assert result.is_one_error("lessmem-train", expected), result
 
 
+@pytest.mark.slow
 def test_missing_data_gives_one_error_line_from_the_console_entry(tmp_path: Path) -> None:
     """The default job (CIFAR-10) without its data, through the installed command: one line that
     says what to do."""

@@ -82,6 +82,7 @@ def test_isa_follows_the_cpu_and_may_be_forced_down(machine, capability, forced,
         assert cpu_build.cpu_isa() == isa
 
 
+@pytest.mark.slow
 def test_stderr_is_clean_once_built() -> None:
     """No 'No CUDA runtime is found' log from torch.utils.cpp_extension, no build line, no
     warning: a compressed training step on CPU prints nothing on stderr."""
@@ -113,6 +114,7 @@ def test_lessmem_kernels_prebuilds(capsys, monkeypatch) -> None:
     assert "unavailable" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_without_a_compiler_the_torch_reference_runs_with_a_warning(tmp_path) -> None:
     proc = run_python("""
         import torch, warnings

@@ -105,6 +105,7 @@ def test_multi_objective_sweep_resumes_its_study(monkeypatch: pytest.MonkeyPatch
     assert len(list((tmp_path / "second").glob("*/metrics.json"))) == 1
 
 
+@pytest.mark.slow
 def test_single_objective_sweep_maximizes_final_top1(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     db = tmp_path / "study.db"
     results = _sweep(monkeypatch, tmp_path / "sweep", "hydra.sweeper.n_trials=3", "hydra.sweeper.seed=1",

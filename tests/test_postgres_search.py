@@ -114,6 +114,7 @@ def _finish(proc: subprocess.Popen) -> int:
     return proc.returncode
 
 
+@pytest.mark.slow
 def test_three_workers_one_killed_mid_trial_then_rerun(postgres_url: str, tmp_path: Path) -> None:
     import optuna
 

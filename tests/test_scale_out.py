@@ -37,6 +37,7 @@ def _run(cmd: list[str], cwd: Path, timeout: int = 240) -> subprocess.CompletedP
     return proc
 
 
+@pytest.mark.slow
 def test_joblib_multirun_two_parallel_jobs(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     _run([sys.executable, "-m", "lessmem.cli.train", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
@@ -46,6 +47,7 @@ def test_joblib_multirun_two_parallel_jobs(tmp_path: Path) -> None:
     assert {json.loads(p.read_text())["compression"] for p in results} == {"none", "pool2"}
 
 
+@pytest.mark.slow
 def test_submitit_local_job(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     _run([sys.executable, "-m", "lessmem.cli.train", "-m", "hydra/launcher=submitit_local",
@@ -55,7 +57,7 @@ def test_submitit_local_job(tmp_path: Path) -> None:
     assert list((sweep / ".submitit").rglob("*_result.pkl"))  # ran as a submitit job
 
 
-def test_launcher_and_grid_configs_compose(tmp_path: Path) -> None:
+def test_launcher_and_grid_configs_compose(run_cli) -> None:
     """The SLURM presets and the grid sweep file resolve (nothing is submitted)."""
     from hydra import compose, initialize_config_dir
 
@@ -68,12 +70,16 @@ def test_launcher_and_grid_configs_compose(tmp_path: Path) -> None:
     assert launcher._target_.endswith("SlurmLauncher") and launcher.partition == "gpu"
     assert launcher.gpus_per_node == 1 and launcher.timeout_min > 0
     assert "distributed" in cfg and cfg.sync_bn is False
-    proc = _run([sys.executable, "-m", "lessmem.cli.train", "-cd", str(REPO / "sweeps"), "-cn",
-                 "grid_cifar", "--cfg", "hydra", "-p", "hydra.sweeper.params"], tmp_path, timeout=120)
+    from lessmem.cli.train import train_main
+
+    result = run_cli(train_main, "lessmem-train", "-cd", str(REPO / "sweeps"), "-cn", "grid_cifar", "--cfg", "hydra",
+                     "-p", "hydra.sweeper.params")
+    assert result.status == 0, result.stderr
     for key in ("model:", "compression:", "seed:"):
-        assert key in proc.stdout, proc.stdout
+        assert key in result.stdout, result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 def test_torchrun_two_ranks_equal_one_process_double_batch(tmp_path: Path) -> None:
     """2 gloo ranks with batch 4 each == 1 process with batch 8 (compressed layers on, augmentation
@@ -126,6 +132,7 @@ def _search_args(out: Path, storage: str, n_trials: int) -> list[str]:
     return ["menu=kernels", *(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in args.items())]
 
 
+@pytest.mark.slow
 def test_two_search_workers_share_fixed_trial_count(tmp_path: Path) -> None:
     import optuna
 

@@ -104,6 +104,7 @@ RSS_CHECK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_resident_memory_growth_agrees_with_the_profiler() -> None:
     """Second method: how far the process's resident set rose over an unprofiled step."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,24 +11,20 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import lessmem.experiment.train as train_mod
-from lessmem.experiment.compression import apply_adapted
+from lessmem.cli.train import train_main
+from lessmem.experiment.compression import resolve_compression
 from lessmem.experiment.paths import conf_dir
 from lessmem.experiment.train import TIME_KEYS, run
 
-REPO = Path(__file__).parents[1]
-CIFAR = Path(__file__).parents[1].parent / "shared/data/cifar10"
-needs_cifar = pytest.mark.skipif(not CIFAR.is_dir(), reason=f"CIFAR-10 not found at {CIFAR}")
-# 64 train images in 2 steps of 32, 32 val images: a few seconds per epoch on 2 cores.
-TINY = [
-    "model=resnet20", "logger=disabled", "compression=pool2", "device=cpu",
-    f"dataset.root={CIFAR}", "dataset.train_subset=64", "dataset.val_subset=32",
-    "batch_size=32", "eval_batch_size=32", "memory_batch=4", "epochs=2",
-]
 
+@pytest.fixture(scope="module")
+def make_cfg(tiny_cifar: tuple[str, ...]) -> Callable[..., object]:
+    """``make_cfg(out_dir, *overrides)``: two tiny epochs on the real CIFAR-10 subset."""
+    def make(out_dir: Path, *overrides: str):
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            return compose("train", overrides=[*tiny_cifar, "epochs=2", f"out_dir={out_dir}", *overrides])
 
-def make_cfg(out_dir: Path, *overrides: str):
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        return compose("train", overrides=[*TINY, f"out_dir={out_dir}", *overrides])
+    return make
 
 
 def comparable(metrics: dict) -> dict:
@@ -41,14 +35,11 @@ def comparable(metrics: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    if not CIFAR.is_dir():
-        pytest.skip(f"CIFAR-10 not found at {CIFAR}")
+def straight(tmp_path_factory: pytest.TempPathFactory, make_cfg) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("straight")
     return out, run(make_cfg(out, "grad_cosine_every=2"))
 
 
-@needs_cifar
 def test_smoke_outputs(straight: tuple[Path, dict]) -> None:
     out, metrics = straight
     for name in ("config.yaml", "metrics.jsonl", "checkpoint.pt", "metrics.json", "grad_cosine.jsonl"):
@@ -67,16 +58,13 @@ def test_smoke_outputs(straight: tuple[Path, dict]) -> None:
     assert 0.0 < h["grad_cosine_mean"] <= 1.0 + 1e-5 and "layer1.0.conv1" in h["grad_cosine"]
 
 
-@needs_cifar
-def test_same_seed_same_metrics(straight: tuple[Path, dict], tmp_path: Path) -> None:
+def test_same_seed_same_metrics(straight: tuple[Path, dict], tmp_path: Path, make_cfg) -> None:
     again = run(make_cfg(tmp_path, "grad_cosine_every=2"))
     assert comparable(again) == comparable(straight[1])
 
 
-@needs_cifar
 def test_resume_after_interruption_matches_straight_run(
-    straight: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+    straight: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make_cfg) -> None:
     _interrupted_in_epoch_2(make_cfg(tmp_path, "grad_cosine_every=2"), monkeypatch)
     assert not (tmp_path / "metrics.json").exists()
     assert (tmp_path / "checkpoint.pt").is_file()
@@ -85,8 +73,7 @@ def test_resume_after_interruption_matches_straight_run(
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
 
 
-@needs_cifar
-def test_resume_extends_finished_run(straight: tuple[Path, dict], tmp_path: Path) -> None:
+def test_resume_extends_finished_run(straight: tuple[Path, dict], tmp_path: Path, make_cfg) -> None:
     run(make_cfg(tmp_path, "epochs=1"))
     more = run(make_cfg(tmp_path, "epochs=2", "resume=true"))
     assert [h["epoch"] for h in more["history"]] == [1, 2]
@@ -94,7 +81,6 @@ def test_resume_extends_finished_run(straight: tuple[Path, dict], tmp_path: Path
     assert more["history"][1]["lr"] == pytest.approx(0.05)
 
 
-@needs_cifar
 @pytest.mark.parametrize(
     ("overrides", "error", "match"),
     [
@@ -106,13 +92,12 @@ def test_resume_extends_finished_run(straight: tuple[Path, dict], tmp_path: Path
         (["precision=fp16"], ValueError, "fp16 needs CUDA"),
     ],
 )
-def test_clear_errors(tmp_path: Path, overrides: list[str], error: type, match: str) -> None:
+def test_clear_errors(tmp_path: Path, overrides: list[str], error: type, match: str, make_cfg) -> None:
     with pytest.raises(error, match=match):
         run(make_cfg(tmp_path, *overrides))
 
 
-@needs_cifar
-def test_bf16_and_map_file(tmp_path: Path) -> None:
+def test_bf16_and_map_file(tmp_path: Path, make_cfg) -> None:
     map_file = tmp_path / "map.yaml"
     map_file.write_text('map:\n  "layer3.*": 4\n  "*": 2\n')
     m = run(make_cfg(tmp_path / "run", "precision=bf16", "epochs=1", "max_steps_per_epoch=2",
@@ -121,32 +106,25 @@ def test_bf16_and_map_file(tmp_path: Path) -> None:
     assert (tmp_path / "run" / "metrics.csv").is_file()
 
 
-def _cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "disabled", "HYDRA_FULL_ERROR": "1"}
-    return subprocess.run([sys.executable, "-m", "lessmem.cli.train", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
-
-
-def test_cli_multirun_over_compression(tmp_path: Path) -> None:
+def test_cli_multirun_over_compression(tmp_path: Path, tiny, run_cli) -> None:
     sweep = tmp_path / "sweep"
-    args = ["-m", "compression=none,pool2,pool4", "dataset=synthetic", "dataset.size=32",
-            "dataset.val_size=16", "batch_size=16", "memory_batch=4", "epochs=1", "logger=disabled",
-            "device=cpu", f"hydra.sweep.dir={sweep}"]
-    proc = _cli(args, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = run_cli(train_main, "lessmem-train", "-m", *tiny, "compression=none,pool2,pool4",
+                     "dataset.size=32", "dataset.val_size=16", "batch_size=16", f"hydra.sweep.dir={sweep}")
+    assert result.status == 0, result.stderr[-30:]
     results = sorted(sweep.glob("*/metrics.json"))
-    assert len(results) == 3, proc.stdout + proc.stderr[-2000:]
+    assert len(results) == 3, result.stderr[-20:]
     by_name = {json.loads(p.read_text())["compression"]: json.loads(p.read_text()) for p in results}
     assert set(by_name) == {"none", "pool2", "pool4"}
     assert by_name["none"]["ratio"] == 1.0
     assert by_name["pool4"]["saved_bytes"] < by_name["pool2"]["saved_bytes"] < by_name["none"]["saved_bytes"]
 
 
-def test_cli_unknown_group_option_is_clear(tmp_path: Path) -> None:
-    proc = _cli(["compression=nope"], tmp_path)
-    assert proc.returncode != 0 and "Could not find 'compression/nope'" in proc.stderr
+def test_cli_unknown_group_option_is_clear(tmp_path: Path, run_cli) -> None:
+    result = run_cli(train_main, "lessmem-train", "compression=nope", f"hydra.run.dir={tmp_path}")
+    assert result.status != 0 and "Could not find 'compression/nope'" in "\n".join(result.stderr)
 
 
+@pytest.mark.slow
 def test_wandb_offline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")  # CI exports WANDB_MODE=disabled
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
@@ -207,8 +185,7 @@ def test_compile_true_trains(tmp_path: Path) -> None:
     assert metrics["epochs"] == 1 and 0.0 <= metrics["final_top1"] <= 1.0
 
 
-@needs_cifar
-def test_adaptive_schedule_reassigns_kernels_within_budget(tmp_path: Path) -> None:
+def test_adaptive_schedule_reassigns_kernels_within_budget(tmp_path: Path, make_cfg) -> None:
     import lessmem
     from lessmem.models import build_model
 
@@ -227,13 +204,12 @@ def test_adaptive_schedule_reassigns_kernels_within_budget(tmp_path: Path) -> No
     ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
     assert ckpt["adaptive_map"] is not None
     model = build_model("resnet20", num_classes=10)
-    apply_adapted(model, ckpt["adaptive_map"], make_cfg(out))
+    resolve_compression(make_cfg(out).compression).adapted(ckpt["adaptive_map"]).apply(model)
     kernels = {n: str(s.kernel[0]) for n, s in lessmem.compressed_layers(model).items() if s.kernel[0] > 1}
     assert kernels == changes[-1]["map"]
 
 
-@needs_cifar
-def test_adaptive_menu_rechooses_map_and_storages_within_budget(tmp_path: Path) -> None:
+def test_adaptive_menu_rechooses_map_and_storages_within_budget(tmp_path: Path, make_cfg) -> None:
     """The whole menu re-measured each time, map and BatchNorm storages chosen
     within the total-saved-bytes budget (the run measures what the knapsack predicted), and resume
     re-applies the choice in force."""
@@ -254,14 +230,13 @@ def test_adaptive_menu_rechooses_map_and_storages_within_budget(tmp_path: Path) 
         assert c["map"] and c["norm_storage"] != "native"
     ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
     model = build_model("resnet20", num_classes=10)
-    apply_adapted(model, ckpt["adaptive_map"], make_cfg(out, *over))
+    resolve_compression(make_cfg(out, *over).compression).adapted(ckpt["adaptive_map"]).apply(model)
     x = torch.randn(4, 3, 32, 32)
     ratio = lessmem.measure_memory(model, x).ratio_to(lessmem.measure_memory(build_model("resnet20", num_classes=10), x))
     assert ratio == pytest.approx(changes[-1]["predicted_ratio"])
 
 
-@needs_cifar
-def test_channels_last_and_epoch_callback(straight: tuple[Path, dict], tmp_path: Path) -> None:
+def test_channels_last_and_epoch_callback(straight: tuple[Path, dict], tmp_path: Path, make_cfg) -> None:
     """NHWC training keeps the same saved bytes and trains as well (same loss to float noise);
     on_epoch_end sees every epoch's record after its checkpoint."""
     seen = []
@@ -307,6 +282,7 @@ def _interrupted_in_epoch_2(cfg, monkeypatch: pytest.MonkeyPatch) -> None:
             run(cfg)
 
 
+@pytest.mark.slow
 def test_resumed_int4_run_draws_the_same_rounding_noise(compose, tiny, tmp_path, monkeypatch) -> None:
     """The checkpoint carries the rounding stream's counter: resumed after epoch 1, a 4-bit run ends
     with the uninterrupted run's weights, bit for bit; restarted from the seed's stream instead, it

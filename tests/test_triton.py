@@ -100,6 +100,7 @@ def test_triton_mask_kernels_match_reference() -> None:
     assert "triton kernels ok" in proc.stdout
 
 
+@pytest.mark.slow
 def test_triton_group_quantization_matches_reference() -> None:
     """int8/4/2/1 and int8_rn of float32, bfloat16, float16 and float64, contiguous and
     channels-last: the reference's codes, min and scale (stochastic-rounding noise included), and

@@ -188,11 +188,6 @@ def resolve_compression(ccfg: Mapping[str, Any]) -> CompressionChoice:
     return replace(choice, name=f"{choice.name}+{choice.digest[:6]}", given=given)
 
 
-def apply_adapted(net: nn.Module, adapted: Mapping[str, Any], cfg: DictConfig) -> None:
-    """Apply an adaptive schedule's choice with the rest of the run's compression settings."""
-    resolve_compression(cfg.compression).adapted(adapted).apply(net)
-
-
 def build_model_from_cfg(cfg: Mapping[str, Any]) -> nn.Module:
     """The model of a composed train config (``cfg.model``: name, num_classes, kwargs; its
     ``task`` is the run's, read by ``lessmem.experiment.task``)."""
