@@ -35,7 +35,10 @@ def weight_param(unit: str) -> str:
 
 def map_key(choice: MapChoice) -> str:
     """Equal maps, equal keys (the trial-reuse check)."""
-    text = json.dumps([choice.map, choice.norm_storage, choice.act_storage], sort_keys=True)
+    parts = [choice.map, choice.norm_storage, choice.act_storage]
+    if choice.saved_storage != "native":  # maps without saved-tensor regions keep their keys
+        parts.append(choice.saved_storage)
+    text = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -64,7 +67,7 @@ class Objective:
         trial_dir = self.out_dir / "trials" / f"{trial.number:04d}"
         map_path = write_map_yaml(choice.map, trial_dir / "compression.yaml", name=name,
                                   norm_storage=choice.norm_storage, act_storage=choice.act_storage,
-                                  comment=f"{self.search.study_name} trial {trial.number}: predicted saved bytes "
+                                  saved_storage=choice.saved_storage, comment=f"{self.search.study_name} trial {trial.number}: predicted saved bytes "
                                           f"{choice.score['ratio']:.3f}x stock, {self.criterion} "
                                           f"{choice.score[self.criterion]:.4g}")
         cfg = self.base.copy()
