@@ -175,13 +175,14 @@ def _wanted(config: str, patterns: list[str] | None) -> bool:
 
 def criterion_maps(menu: MenuResult, preset: Preset, budgets: list[float], n: int, seed: int) -> dict[str, MapChoice]:
     """``n`` maps spread from the tightest budget to 1.0: the knapsack's map of every criterion
-    at each budget, the uniform options, then random per-unit maps (options drawn around a
-    per-map aggressiveness) in empty ratio bins."""
+    at each budget, the uniform options (the first ``n`` of these), then random per-unit maps
+    (options drawn around a per-map aggressiveness) in empty ratio bins."""
     maps: dict[str, MapChoice] = {}
     for budget in budgets:
         for criterion in CRITERIA:
             maps[f"{criterion}_{budget_name(budget)}"] = menu.make_map(budget, criterion)
-    maps |= {name: c for name, c in uniform_choices(menu, preset).items() if c.score["ratio"] <= 1.0}
+    maps |= uniform_choices(menu, preset)
+    maps = dict(list(maps.items())[:n])
     units = list(menu.unit_items().values())
     by_name = {i.name: i for i in menu.items}
     rng = random.Random(seed)
