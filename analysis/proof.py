@@ -61,7 +61,7 @@ PRESETS = {
     "resnet20": Preset(
         train=["model=resnet20", "dataset=cifar10", "logger=csv", "device=cpu", "epochs=4", "batch_size=128",
                "channels_last=true", "memory_batch=32", "dataset.train_subset=20000"],
-        sensitivity=["sensitivity.batches=8", "sensitivity.batch_size=32", "sensitivity.warmup_steps=156"],
+        sensitivity=["sensitivity.batches=8", "sensitivity.batch_size=${memory_batch}", "sensitivity.warmup_steps=156"],
         metric="final_top1", label="top-1", scale=100.0, lower_is_better=False, sweep="menu_resnet20",
         budgets=[0.125, 0.08, 0.05],
         uniform={"int8_bn8": ("int8", "int8", "native", "native"), "int4_bn4": ("int4", "int4", "native", "native"),
@@ -74,7 +74,7 @@ PRESETS = {
     # lm_quick: 300 steps of tiny_llama on the stdlib's source; the menu after 100 stock steps.
     "tiny_llama": Preset(
         train=["experiment=lm_quick", "logger=csv"],
-        sensitivity=["sensitivity.batches=4", "sensitivity.batch_size=16", "sensitivity.warmup_steps=100"],
+        sensitivity=["sensitivity.batches=4", "sensitivity.batch_size=${memory_batch}", "sensitivity.warmup_steps=100"],
         metric="final_val_ppl", label="val_ppl", scale=1.0, lower_is_better=True, sweep="menu_tiny_llama",
         budgets=[0.5, 0.25, 0.12],
         uniform={f"{s}_all": (s, "native", s, s) for s in ("bf16", "int8", "int4", "int2", "int1")}
