@@ -101,7 +101,7 @@ def test_batchnorm_int1_is_on_the_menu_and_its_bytes_are_exact() -> None:
     bn = next(i for i in menu.items if i.kind == "norm")
     assert bn.options[-1] == "int1" and bn.nbytes[-1] < bn.nbytes[bn.index("int2")]
     without = measure_menu(model, batches(1), kernels=(1, 2), storages=("native", "int1"),
-                           norm_storages=("int2",))
+                           norm_storages=("bf16", "int8", "int4", "int2"))
     assert menu.least_ratio() < without.least_ratio()
     choice = menu.uniform_choice("2/int1", "int1")
     x = batches(1)[0][0]

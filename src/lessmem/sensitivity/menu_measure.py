@@ -62,7 +62,7 @@ def measure_menu(
     act_storages: Sequence[str] = LOSSY_STORAGES,
     loss_fn: Callable[[Tensor, Tensor | None], Tensor] | None = None,
     *,
-    saved_storages: Sequence[str] = LOSSY_STORAGES,
+    saved_storages: Sequence[str] = (),
 ) -> MenuResult:
     """Every menu option's bytes and gradient error on ``batches`` (``images`` or
     ``(images, labels)``), for ``model`` in its current mode; ``model`` itself is not changed.
@@ -70,7 +70,8 @@ def measure_menu(
     alone). loss_fn(output, targets): cross-entropy by default (mean square of the output without
     targets); pass the training loss for other outputs (a language model's next-token loss).
     saved_storages: the storages of the saved-tensor regions (``lessmem.sensitivity.regions``):
-    every module, other than an item, whose own forward saves floating tensors; empty: none."""
+    every module, other than an item, whose own forward saves floating tensors; empty (the
+    default, as before regions were items): none. ``menu=full`` asks for every lossy width."""
     kernels = sorted({int(k) for k in kernels})
     if not kernels or kernels[0] != 1 or "native" not in storages:
         raise ValueError(f"the menu needs kernel 1 and native storage (the exact option) among positive "
