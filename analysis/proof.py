@@ -200,7 +200,7 @@ def criterion_maps(menu: MenuResult, preset: Preset, budgets: list[float], n: in
                              key=lambda o: -first.nbytes[first.index(o)])
             i = round(level * (len(options) - 1) + rng.gauss(0, 1.5))
             chosen.update(dict.fromkeys(members, options[min(max(i, 0), len(options) - 1)]))
-        choice = menu._choice(chosen)
+        choice = menu.choice_of(chosen)
         b = next((i for i in range(bins) if edges[i] <= choice.score["ratio"] < edges[i + 1]), None)
         if b is not None and b not in filled:
             filled.add(b)

@@ -78,7 +78,7 @@ def test_lm_predicted_bytes_equal_measured(lm, seed: int) -> None:
         items = [i for i in menu.items if i.name in members]
         option = rng.choice([o for o in items[0].options if all(o in i.options for i in items)])
         chosen.update(dict.fromkeys(members, option))
-    choice = menu._choice(chosen)
+    choice = menu.choice_of(chosen)
     assert choice.score["bytes"] == lessmem.measure_memory(applied(model, choice), x).total_bytes
 
 

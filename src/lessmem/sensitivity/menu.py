@@ -136,10 +136,11 @@ class MenuResult:
         for members, options, j in zip(units, unit_options, choice, strict=True):
             for m in members:
                 chosen[m.name] = options[j]
-        return self._choice(chosen)
+        return self.choice_of(chosen)
 
-    def _choice(self, chosen: Mapping[str, str]) -> MapChoice:
-        """The compress options of one option per item, and their score."""
+    def choice_of(self, chosen: Mapping[str, str]) -> MapChoice:
+        """The map (compress options) giving each item its option in ``chosen`` (item name ->
+        option; items reading one tensor must agree), and its score."""
         conv = {i.name: chosen[i.name] for i in self.items if i.kind in MAP_KINDS}
         norm = {i.name: chosen[i.name] for i in self.items if i.kind == "norm" and chosen[i.name] != "native"}
         act = {i.name: chosen[i.name] for i in self.items if i.kind == "act" and chosen[i.name] != "native"}
@@ -157,7 +158,7 @@ class MenuResult:
             if item.kind in kinds:
                 item.index(kinds[item.kind])
                 chosen[item.name] = kinds[item.kind]
-        return self._choice(chosen)
+        return self.choice_of(chosen)
 
     def uniform(self, conv: str, norm: str = "native", act: str = "native", saved: str = "native") -> dict[str, float]:
         """The score of one option everywhere (``uniform_choice``)."""
