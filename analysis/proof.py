@@ -138,12 +138,14 @@ def plan(menu: MenuResult, preset: Preset, budgets: list[float], per_budget: int
     return maps, configs
 
 
-def search_job(out: Path, preset: Preset, budget: float, menu: Path, n_trials: int, extra: list[str]) -> Job:
-    """The Optuna menu search at one budget; its best map trains as ``search_<budget>``."""
+def search_job(out: Path, preset: Preset, budget: float, menu: Path, n_trials: int, criterion: str,
+               extra: list[str]) -> Job:
+    """The Optuna menu search at one budget on the knapsack's criterion (its trial 0 is
+    ``chosen_<budget>``); its best map trains as ``search_<budget>``."""
     folder = out / "search" / f"b{budget_name(budget)}"
     argv = [sys.executable, "-m", "lessmem.cli.search", "-cd", str(REPO / "sweeps"), "-cn", preset.sweep,
             f"budget={budget:g}", f"study_name={preset.sweep}_b{budget_name(budget)}", f"out_dir={folder}",
-            f"menu_file={menu}", f"n_trials={n_trials}", *extra]
+            f"menu_file={menu}", f"n_trials={n_trials}", f"criterion={criterion}", *extra]
     return Job(f"search_{budget_name(budget)}", argv, folder / "summary.json")
 
 
@@ -154,7 +156,7 @@ def jobs_for(out: Path, preset: Preset, args: argparse.Namespace, configs: dict[
             config = f"search_{budget_name(budget)}"
             if _wanted(config, args.configs):
                 configs[config] = {"home": budget_name(budget), "uniform": False}
-                jobs.append(search_job(out, preset, budget, menu, args.search_trials, args.search_set))
+                jobs.append(search_job(out, preset, budget, menu, args.search_trials, args.criterion, args.search_set))
     common = [*preset.train, *args.set]
     for seed in args.seeds:  # seed-major: a partial proof still pairs every configuration
         for config in [c for c in configs if _wanted(c, args.configs)]:

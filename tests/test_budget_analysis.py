@@ -179,12 +179,12 @@ def test_proof_driver_plans_maps_that_fit_and_runs_each_search_before_its_best_m
     import argparse
 
     ns = argparse.Namespace(budgets=[0.125, 0.05], search_trials=3, search_set=[], set=["epochs=1"], seeds=list(range(8)),
-                            configs=None)
+                            configs=None, criterion="grad_error")
     jobs = {j.name: j for j in proof.jobs_for(tmp_path, preset, ns, configs, tmp_path / "menu" / "menu.json")}
     assert list(jobs)[:2] == ["search_0.125", "search_0.05"]
     search = jobs["search_0.05"].argv
     assert search[search.index("-cd") + 1] == str(proof.REPO / "sweeps") and search[search.index("-cn") + 1] == "menu_resnet20"
-    assert "budget=0.05" in search and "n_trials=3" in search and f"out_dir={tmp_path / 'search' / 'b0.05'}" in search
+    assert "budget=0.05" in search and "n_trials=3" in search and "criterion=grad_error" in search and f"out_dir={tmp_path / 'search' / 'b0.05'}" in search
     assert {j.split("/")[1] for j in jobs if "/" in j} == {f"seed{s}" for s in range(8)}
     trained = jobs["search_0.05/seed7"]
     assert trained.deps == ["search_0.05"] and trained.needs == [tmp_path / "search" / "b0.05" / "best_map.yaml"]
