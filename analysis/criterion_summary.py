@@ -1,9 +1,10 @@
-"""Which criterion predicts accuracy? Reads the runs of analysis/criterion_check.py and a storage-menu
-measurement of the same model (``lessmem-sensitivity ... sensitivity.out=<out>/menu``, stock weights
-after one epoch of the same schedule), scores every trained map with every criterion and ranks:
-Spearman's rho between final top-1 and each criterion (sign chosen so that +1 = perfect
-prediction), with the saved-bytes ratio itself as the baseline a criterion must beat. Writes
-``<out>/summary.md``, ``summary.json`` and ``scatter.png``.
+"""Which criterion predicts the trained metric? Reads the runs of analysis/criterion_check.py (resnet20)
+or of ``analysis/proof.py --criterion-check N`` (any preset; its ``proof.json`` names the metric) and a
+storage-menu measurement of the same model (``<out>/menu``: stock weights after warm-up on the same
+schedule), scores every trained map with every criterion and ranks: Spearman's rho between the
+final metric (top-1, or val_ppl with its sign turned: lower is better) and each criterion (sign
+chosen so that +1 = perfect prediction), with the saved-bytes ratio itself as the baseline a
+criterion must beat. Writes ``<out>/summary.md``, ``summary.json`` and ``scatter.png``.
 
     python analysis/criterion_summary.py docs/results/criterion_check
 """
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 from compact_runs import by_seed, load, restore_maps
-from proof_summary import schedule
+from proof_summary import LEGACY, REPO, layout_of, schedule
 
 from lessmem.sensitivity import MenuResult, read_map_yaml
 
@@ -62,7 +63,8 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
-def bootstrap(rows: list[dict], best: str, resamples: int = 2000, seed: int = 0) -> dict[str, list[float]]:
+def bootstrap(rows: list[dict], best: str, key: str, sign: float, resamples: int = 2000,
+              seed: int = 0) -> dict[str, list[float]]:
     """95% bootstrap intervals (maps resampled with replacement) of each criterion's rho, and of
     its difference to the best one's: is the ranking of the criteria beyond the noise of one seed?"""
     import random
@@ -71,8 +73,8 @@ def bootstrap(rows: list[dict], best: str, resamples: int = 2000, seed: int = 0)
     draws: dict[str, list[float]] = {c: [] for c in CRITERIA} | {f"{c}-{best}": [] for c in CRITERIA if c != best}
     for _ in range(resamples):
         sample = [rows[rng.randrange(len(rows))] for _ in rows]
-        top1 = [r["top1"] for r in sample]
-        rho = {c: sign * spearman([r[c] for r in sample], top1) for c, (_, sign, _) in CRITERIA.items()}
+        metric = [sign * r[key] for r in sample]
+        rho = {c: c_sign * spearman([r[c] for r in sample], metric) for c, (_, c_sign, _) in CRITERIA.items()}
         if any(math.isnan(v) for v in rho.values()):
             continue
         for c in CRITERIA:
@@ -87,51 +89,66 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def load_rows(out: Path, table: dict, menu: MenuResult) -> list[dict]:
+def load_rows(out: Path, table: dict, menu: MenuResult, layout: dict) -> list[dict]:
+    key, scale = layout["key"], float(layout["scale"])
     rows = []
     stock = by_seed(table, "stock")[0]
-    rows.append({"map": "stock", "kind": "stock", "top1": 100 * stock["final_top1"], "ratio": 1.0,
+    rows.append({"map": "stock", "kind": "stock", key: scale * stock[layout["metric"]], "ratio": 1.0,
                  "predicted_ratio": menu.stock_bytes / menu.stock_bytes,
                  "grad_error": 0.0, "loss_change": 0.0, "cosine": 1.0})
     for path in sorted((out / "maps").glob("*.yaml")):
         m = by_seed(table, path.stem).get(0)
         if m is None:
             continue
-        mapping, norm, act = read_map_yaml(path)
-        score = menu.score(mapping, norm, act)
-        rows.append({"map": path.stem, "kind": kind_of(path.stem), "top1": 100 * m["final_top1"],
+        mapping, norm, act, saved = read_map_yaml(path)
+        score = menu.score(mapping, norm, act, saved)
+        rows.append({"map": path.stem, "kind": kind_of(path.stem), key: scale * m[layout["metric"]],
                      "ratio": m["ratio"], "predicted_ratio": score["ratio"],
                      **{c: score[c] for c in ("grad_error", "loss_change", "cosine")}})
     return rows
 
 
 def summarize(out: Path) -> dict:
-    menu = MenuResult.load(out / "menu" / "menu.json")
+    layout = layout_of(out)
+    own = out / "menu" / "menu.json"
+    menu = MenuResult.load(own if own.is_file() or layout is LEGACY else REPO / layout["menu"])
     table = load(out)
     restore_maps(out, table)
-    rows = load_rows(out, table, menu)
-    top1 = [r["top1"] for r in rows]
-    rho = {c: sign * spearman([r[c] for r in rows], top1) for c, (_, sign, _) in CRITERIA.items()}
+    rows = load_rows(out, table, menu, layout)
+    key, sign = layout["key"], -1.0 if layout["lower_is_better"] else 1.0
+    metric = [sign * r[key] for r in rows]
+    rho = {c: c_sign * spearman([r[c] for r in rows], metric) for c, (_, c_sign, _) in CRITERIA.items()}
     best = max((c for c in rho if c != "ratio"), key=lambda c: rho[c])
     result = {"maps": len(rows), "rows": rows, "spearman": rho, "best": best, "meta": menu.meta,
-              "interval": bootstrap(rows, best), "schedule": schedule(table["stock_config"])}
+              "interval": bootstrap(rows, best, key, sign), "schedule": schedule(table["stock_config"])}
     (out / "summary.json").write_text(json.dumps(result, indent=2))
-    (out / "summary.md").write_text(markdown(result))
-    plot(rows, rho, out / "scatter.png")
+    (out / "summary.md").write_text(markdown(result, layout))
+    plot(rows, rho, layout, out / "scatter.png")
     return result
 
 
-def markdown(result: dict) -> str:
-    rho = result["spearman"]
-    lines = [f"{result['maps']} maps (stock included), resnet20 on CIFAR-10, one seed each, the same short schedule "
+def _intro(result: dict, layout: dict) -> str:
+    if layout is not LEGACY:
+        return (f"{result['maps']} maps (stock included), {layout['model']}, one seed each, the same schedule "
+                f"({result.get('schedule', 'unknown')}); criteria predicted from one menu measurement "
+                f"({result['meta'].get('weights')}). Maps: the knapsack's of every criterion at each budget, "
+                f"uniform options, random per-unit draws over the menu in saved-bytes bins. Commands: "
+                f"`python analysis/proof.py --model {layout['model']} --out DIR --criterion-check N`, "
+                f"`python analysis/criterion_summary.py DIR`.")
+    return (f"{result['maps']} maps (stock included), resnet20 on CIFAR-10, one seed each, the same short schedule "
              f"({result.get('schedule', 'unknown')}); criteria predicted from one storage-menu measurement of the "
              "stock model after its first epoch. Maps: uniform, random per-layer draws over the whole menu in "
              "saved-bytes bins of 0.05 from 0.05 to 0.65, and knapsack choices (`grad_error_*`, `cosine_*`; "
              "`*_kernels`: the kernel-only menu). Commands: `python analysis/criterion_check.py --out DIR`, "
              "`lessmem-sensitivity model=resnet20 sensitivity.batches=4 "
              "sensitivity.batch_size=64 sensitivity.checkpoint=DIR/runs/stock/seed0/checkpoint_epoch1.pt "
-             "sensitivity.out=DIR/menu`, `python analysis/criterion_summary.py DIR`.", "",
-             "| criterion | Spearman rho with final top-1 (+1 = perfect) | 95% bootstrap interval | minus the best's rho (95%) |",
+             "sensitivity.out=DIR/menu`, `python analysis/criterion_summary.py DIR`.")
+
+
+def markdown(result: dict, layout: dict) -> str:
+    rho, key, label = result["spearman"], layout["key"], layout["label"]
+    lines = [_intro(result, layout), "",
+             f"| criterion | Spearman rho with final {label} (+1 = perfect) | 95% bootstrap interval | minus the best's rho (95%) |",
              "|---|---:|---|---|"]
     ci = result.get("interval", {})
     for c in CRITERIA:
@@ -140,16 +157,17 @@ def markdown(result: dict) -> str:
         diff = "—" if c == result["best"] else f"[{dlo:+.3f}, {dhi:+.3f}]"
         lines.append(f"| {CRITERIA[c][0]} | {rho[c]:+.3f} | [{lo:+.3f}, {hi:+.3f}] | {diff} |")
     lines += ["", f"Best predictor: **{CRITERIA[result['best']][0]}**.", "",
-              "![final top-1 against each criterion](scatter.png)", "",
-              "| map | kind | final top-1 | saved ratio (measured) | predicted | grad_error | loss_change | cosine |",
+              f"![final {label} against each criterion](scatter.png)", "",
+              f"| map | kind | final {label} | saved ratio (measured) | predicted | grad_error | loss_change | cosine |",
               "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in sorted(result["rows"], key=lambda r: -r["top1"]):
-        lines.append(f"| {r['map']} | {r['kind']} | {r['top1']:.2f} | {r['ratio']:.3f} | {r['predicted_ratio']:.3f} | "
+    sign = -1.0 if layout["lower_is_better"] else 1.0
+    for r in sorted(result["rows"], key=lambda r: -sign * r[key]):
+        lines.append(f"| {r['map']} | {r['kind']} | {r[key]:.2f} | {r['ratio']:.3f} | {r['predicted_ratio']:.3f} | "
                      f"{r['grad_error']:.3g} | {r['loss_change']:.3g} | {r['cosine']:.4f} |")
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], rho: dict[str, float], path: Path) -> None:
+def plot(rows: list[dict], rho: dict[str, float], layout: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -159,16 +177,17 @@ def plot(rows: list[dict], rho: dict[str, float], path: Path) -> None:
     fig, axes = plt.subplots(1, len(CRITERIA), figsize=(4 * len(CRITERIA), 3.6), sharey=True)
     for ax, (c, (label, _, log)) in zip(axes, CRITERIA.items(), strict=True):
         for kind, color in colors.items():
-            pts = [(r[c], r["top1"]) for r in rows if r["kind"] == kind and (not log or r[c] > 0)]
+            pts = [(r[c], r[layout["key"]]) for r in rows if r["kind"] == kind and (not log or r[c] > 0)]
             if pts:
                 ax.scatter(*zip(*pts, strict=True), s=22, color=color, label=kind)
         if log:
             ax.set_xscale("log")
         ax.set_xlabel(label, fontsize=8)
         ax.set_title(f"Spearman {rho[c]:+.2f}", fontsize=9)
-    axes[0].set_ylabel("final top-1 (%)")
+    axes[0].set_ylabel(f"final {layout['label']}")
     axes[0].legend(fontsize=7)
-    fig.suptitle("resnet20 CIFAR-10: does the criterion predict accuracy? (log axes omit exact maps)", fontsize=9)
+    fig.suptitle(f"{layout.get('model', 'resnet20 CIFAR-10')}: does the criterion predict the metric? "
+                 "(log axes omit exact maps)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

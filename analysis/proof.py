@@ -1,149 +1,271 @@
-"""The proof of issue 19, maps that win at a memory budget: resnet20 on CIFAR-10, every
-configuration on the same seeds, at three budgets of total saved bytes: that of uniform 2x2, of
-uniform 4x4, and 0.15x stock.
+"""One proof driver for any model: maps that win at a memory budget, every configuration on the
+same seeds (issue 31). For a model preset (``--model resnet20`` on the issue-12 schedule,
+``--model tiny_llama`` on ``experiment=lm_quick``):
 
-Configurations (map files in ``<out>/maps/<config>.yaml``; the uniform ones are written here, the
-chosen ones by the menu knapsack, ``analysis/menu_maps.py``, and copied in): at every budget the
-uniform options that fit it, the criterion's map (``chosen_*``; ``kernels_*``: the kernel-only menu)
-and the best map of an Optuna menu search at that budget (``search_*``: a ``lessmem-search`` job of
-``sweeps/menu_resnet20.yaml`` run here first, its trials scored on held-out train images, not the
-test set); stock once. A configuration whose map file does not exist yet waits for it (the driver
-polls), so the chosen maps can be added while the uniform runs train.
+1. the menu, measured once on the weights being trained (``lessmem-sensitivity`` after
+   ``warmup_steps`` stock steps, several batches of the memory batch size) into ``<out>/menu``
+   (or ``--menu``);
+2. at every budget (a fraction of stock's saved bytes): the knapsack's map (``chosen_<budget>``),
+   the best map of an Optuna menu search at that budget (``search_<budget>``: a ``lessmem-search``
+   job of ``sweeps/<preset sweep>.yaml`` run here first; ``--search-trials 0``: none), the uniform
+   options that fit it (the ``--uniform-per-budget`` spending most of it, their bytes exactly as
+   the menu predicts), and stock;
+3. every configuration trained on ``--seeds`` (8 paired seeds by default), two jobs at a time with
+   one thread each; a finished run is skipped, an interrupted one resumes;
+4. ``<out>/proof.json`` (the layout ``analysis/proof_summary.py`` reads) and the summary.
 
-    python analysis/proof.py --out docs/results/budget_proof --epochs 2 --train-subset 10000
-    python analysis/proof.py --out docs/results/budget_proof --configs pool4 int8_bn8 --seeds 0 1 2
-    python analysis/proof_summary.py docs/results/budget_proof
+    python analysis/proof.py --model resnet20 --out docs/results/proof_resnet20 --budgets 0.125 0.08 0.05
+    python analysis/proof.py --model tiny_llama --out docs/results/proof_tiny_llama --budgets 0.5 0.25 0.12
+    python analysis/proof_summary.py docs/results/proof_tiny_llama
 
-Default schedule: the issue-12 proof's (4 epochs on a balanced 20,000-image subset, batch 128, SGD
-lr 0.1 Nesterov, cosine, full 10k test set); ``stock`` runs of that proof can be reused with
-``--reuse docs/results/proof`` (same schedule and seeds).
+``--criterion-check N``: instead, N maps spread over the budgets' range (knapsack maps of every
+criterion at each budget, the uniform options, random per-unit maps), one seed each, ranked by
+``analysis/criterion_summary.py`` (Spearman of each criterion with the final metric).
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
+import fnmatch
+import json
+import os
+import random
+import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 from jobs import REPO, Job, schedule, train_job
 
-from lessmem.sensitivity import MenuResult
+from lessmem.sensitivity import CRITERIA, DEFAULT_CRITERION, MapChoice, MenuResult, write_map_yaml
 
-MENU = REPO / "docs" / "results" / "criterion_check" / "menu" / "menu.json"
 
-# config -> (budget it belongs to, conv spec, BatchNorm storage); None: map file comes from elsewhere
-# (the menu knapsack: chosen_* on the whole menu, kernels_* on the kernel-only one). A config also
-# competes at every larger budget, since its bytes fit there too.
-CONFIGS: dict[str, tuple[str, str | None, str | None]] = {
-    "stock": ("all", None, None),
-    "pool2": ("2x2", "2", "native"),
-    "chosen_2x2": ("2x2", None, None),
-    "kernels_2x2": ("2x2", None, None),
-    "search_2x2": ("2x2", None, None),
-    "pool4": ("4x4", "4", "native"),
-    "pool2_int4": ("4x4", "2/int4", "native"),
-    "int8_bn8": ("4x4", "int8", "int8"),
-    "chosen_4x4": ("4x4", None, None),
-    "kernels_4x4": ("4x4", None, None),
-    "search_4x4": ("4x4", None, None),
-    "pool2_int4_bn4": ("0.15", "2/int4", "int4"),
-    "int4_bn2": ("0.15", "int4", "int2"),
-    "int2_bn4": ("0.15", "int2", "int4"),
-    "chosen_0.15": ("0.15", None, None),
-    "cosine_0.15": ("0.15", None, None),  # the knapsack on mean cosine instead of whole-gradient error
-    "search_0.15": ("0.15", None, None),
+@dataclass
+class Preset:
+    """A model's proof: its training schedule, how its menu is measured, its metric, its search
+    config and the uniform options (conv spec, BatchNorm, activation, saved-region storage)."""
+
+    train: list[str]
+    sensitivity: list[str]
+    metric: str
+    label: str
+    scale: float
+    lower_is_better: bool
+    sweep: str
+    budgets: list[float]
+    uniform: dict[str, tuple[str, str, str, str]] = field(default_factory=dict)
+
+
+PRESETS = {
+    # The issue-12 schedule: 4 epochs on a balanced 20k CIFAR-10 subset; the menu after one epoch's steps.
+    "resnet20": Preset(
+        train=["model=resnet20", "dataset=cifar10", "logger=csv", "device=cpu", "epochs=4", "batch_size=128",
+               "channels_last=true", "memory_batch=32", "dataset.train_subset=20000"],
+        sensitivity=["sensitivity.batches=8", "sensitivity.batch_size=${memory_batch}", "sensitivity.warmup_steps=156"],
+        metric="final_top1", label="top-1", scale=100.0, lower_is_better=False, sweep="menu_resnet20",
+        budgets=[0.125, 0.08, 0.05],
+        uniform={"int8_bn8": ("int8", "int8", "native", "native"), "int4_bn4": ("int4", "int4", "native", "native"),
+                 "pool2_int4_bn4": ("2/int4", "int4", "native", "native"),
+                 "int4_bn2": ("int4", "int2", "native", "native"), "int2_bn4": ("int2", "int4", "native", "native"),
+                 "int2_bn2": ("int2", "int2", "native", "native"), "int1_bn2": ("int1", "int2", "native", "native"),
+                 "int2_bn1": ("int2", "int1", "native", "native"), "int1_bn1": ("int1", "int1", "native", "native"),
+                 "pool2_int2_bn2": ("2/int2", "int2", "native", "native"),
+                 "pool2_int1_bn1": ("2/int1", "int1", "native", "native")}),
+    # lm_quick: 300 steps of tiny_llama on the stdlib's source; the menu after 100 stock steps.
+    "tiny_llama": Preset(
+        train=["experiment=lm_quick", "logger=csv"],
+        sensitivity=["sensitivity.batches=4", "sensitivity.batch_size=${memory_batch}", "sensitivity.warmup_steps=100"],
+        metric="final_val_ppl", label="val_ppl", scale=1.0, lower_is_better=True, sweep="menu_tiny_llama",
+        budgets=[0.5, 0.25, 0.12],
+        uniform={f"{s}_all": (s, "native", s, s) for s in ("bf16", "int8", "int4", "int2", "int1")}
+        | {f"pool2_{s}_all": (f"2/{s}", "native", s, s) for s in ("int4", "int2")}),
 }
-# The tightest budget first, each chosen map beside the uniform option that fits with the least
-# predicted whole-gradient error (int4_bn2 at 0.15, int8_bn8 at 4x4's bytes); the other options after.
-ORDER = ["chosen_0.15", "cosine_0.15", "int4_bn2", "chosen_4x4", "int8_bn8", "stock", "pool4", "pool2", "pool2_int4_bn4",
-         "kernels_4x4", "search_0.15", "search_4x4", "search_2x2", "chosen_2x2", "kernels_2x2", "pool2_int4", "int2_bn4"]
 
 
-def search_budgets(menu: MenuResult) -> dict[str, float]:
-    """Budget -> saved-bytes ratio the search must fit: uniform 2x2's and 4x4's as the menu
-    predicts them (exactly what those runs measure), 0.15."""
-    return {"2x2": menu.uniform("2")["ratio"], "4x4": menu.uniform("4")["ratio"], "0.15": 0.15}
+def measure_menu_job(out: Path, preset: Preset, extra: list[str], threads: int) -> Path:
+    """``<out>/menu/menu.json``: measured here (synchronously) unless it exists."""
+    menu = out / "menu" / "menu.json"
+    if not menu.is_file():
+        argv = [sys.executable, "-m", "lessmem.cli.sensitivity", *preset.train, *extra, *preset.sensitivity,
+                f"sensitivity.out={out / 'menu'}", "sensitivity.budget=1.0"]
+        env = {"OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1", "WANDB_MODE": "disabled"}
+        print("measuring the menu:", " ".join(argv[1:]), flush=True)
+        subprocess.run(argv, check=True, cwd=REPO, env={**os.environ, **env})
+    return menu
 
 
-def search_dir(out: Path, ratio: float) -> Path:
-    return out / "search" / f"b{ratio:.4g}"
+def budget_name(budget: float) -> str:
+    return f"{budget:g}"
 
 
-def search_job(out: Path, budget: str, ratio: float, menu: Path, n_trials: int) -> Job:
-    """The Optuna menu search at one budget; its best map trains as ``search_<budget>``."""
-    folder = search_dir(out, ratio)
-    argv = [sys.executable, "-m", "lessmem.cli.search", "-cd", str(REPO / "sweeps"), "-cn", "menu_resnet20",
-            f"budget={ratio:.4g}", f"study_name=menu_resnet20_b{ratio:.4g}", f"out_dir={folder}",
-            f"menu_file={menu}", f"n_trials={n_trials}"]
-    return Job(f"search_{budget}", argv, folder / "summary.json")
+def write_map(out: Path, name: str, choice: MapChoice, note: str) -> Path:
+    path = out / "maps" / f"{name}.yaml"
+    if not path.exists():
+        write_map_yaml(choice.map, path, name=name, norm_storage=choice.norm_storage, act_storage=choice.act_storage,
+                       saved_storage=choice.saved_storage,
+                       comment=f"{note}; predicted saved bytes {choice.score['ratio']:.4f}x stock")
+    return path
 
 
-def map_file(out: Path, config: str) -> Path:
-    return out / "maps" / f"{config}.yaml"
+def uniform_choices(menu: MenuResult, preset: Preset) -> dict[str, MapChoice]:
+    """The preset's uniform options the menu measured (an option it lacks is left out)."""
+    found = {}
+    for name, options in preset.uniform.items():
+        try:
+            found[name] = menu.uniform_choice(*options)
+        except ValueError:
+            continue
+    return found
 
 
-def write_uniform_maps(out: Path) -> None:
-    (out / "maps").mkdir(parents=True, exist_ok=True)
-    for config, (_, conv, norm) in CONFIGS.items():
-        path = map_file(out, config)
-        if conv is not None and not path.exists():
-            body = {"name": config, "exact_companions": True, "norm_storage": norm, "map": {"*": conv}}
-            path.write_text(yaml.safe_dump(body, sort_keys=False))
+def plan(menu: MenuResult, preset: Preset, budgets: list[float], per_budget: int,
+         criterion: str) -> tuple[dict[str, MapChoice], dict[str, dict]]:
+    """(config -> map, config -> {"home", "uniform"}): per budget the knapsack's map and the
+    ``per_budget`` fitting uniform options that spend most of it, each at its home budget (the
+    tightest it fits, or where it was picked)."""
+    uniform = uniform_choices(menu, preset)
+    maps: dict[str, MapChoice] = {}
+    configs: dict[str, dict] = {"stock": {"home": "all", "uniform": False}}
+    for budget in sorted(budgets, reverse=True):
+        name = budget_name(budget)
+        maps[f"chosen_{name}"] = menu.make_map(budget, criterion)
+        configs[f"chosen_{name}"] = {"home": name, "uniform": False}
+        fitting = sorted((c for c in uniform.items() if c[1].score["ratio"] <= budget),
+                         key=lambda c: -c[1].score["ratio"])
+        for config, choice in fitting[:per_budget]:
+            maps[config] = choice
+            configs[config] = {"home": name, "uniform": True}
+    return maps, configs
 
 
-def reuse_runs(out: Path, source: Path, configs: list[str], seeds: list[int]) -> None:
-    """Copy finished runs of the same schedule and seeds (metrics only) from another proof."""
-    for config in configs:
-        for seed in seeds:
-            src, dest = source / "runs" / config / f"seed{seed}", out / "runs" / config / f"seed{seed}"
-            if (src / "metrics.json").exists() and not dest.exists():
-                shutil.copytree(src, dest, ignore=shutil.ignore_patterns("*.pt"))
-                (dest / "REUSED").write_text(f"copied from {src}\n")
+def search_job(out: Path, preset: Preset, budget: float, menu: Path, n_trials: int, criterion: str,
+               extra: list[str]) -> Job:
+    """The Optuna menu search at one budget on the knapsack's criterion (its trial 0 is
+    ``chosen_<budget>``); its best map trains as ``search_<budget>``."""
+    folder = out / "search" / f"b{budget_name(budget)}"
+    argv = [sys.executable, "-m", "lessmem.cli.search", "-cd", str(REPO / "sweeps"), "-cn", preset.sweep,
+            f"budget={budget:g}", f"study_name={preset.sweep}_b{budget_name(budget)}", f"out_dir={folder}",
+            f"menu_file={menu}", f"n_trials={n_trials}", f"criterion={criterion}", *extra]
+    return Job(f"search_{budget_name(budget)}", argv, folder / "summary.json")
 
 
-def jobs_for(out: Path, args: argparse.Namespace) -> list[Job]:
-    common = ["model=resnet20", "dataset=cifar10", "logger=csv", "device=cpu", f"epochs={args.epochs}",
-              "batch_size=128", "channels_last=true", "memory_batch=32",
-              f"dataset.train_subset={args.train_subset}"]
-    budgets = search_budgets(MenuResult.load(args.menu))
-    searched = [c for c in ORDER if c in args.configs and c.startswith("search_")]
-    jobs = [search_job(out, CONFIGS[c][0], budgets[CONFIGS[c][0]], args.menu, args.search_trials) for c in searched]
+def jobs_for(out: Path, preset: Preset, args: argparse.Namespace, configs: dict[str, dict], menu: Path) -> list[Job]:
+    jobs = []
+    if args.search_trials > 0:
+        for budget in args.budgets:
+            config = f"search_{budget_name(budget)}"
+            if _wanted(config, args.configs):
+                configs[config] = {"home": budget_name(budget), "uniform": False}
+                jobs.append(search_job(out, preset, budget, menu, args.search_trials, args.criterion, args.search_set))
+    common = [*preset.train, *args.set]
     for seed in args.seeds:  # seed-major: a partial proof still pairs every configuration
-        for config in [c for c in ORDER if c in args.configs]:
+        for config in [c for c in configs if _wanted(c, args.configs)]:
             if config == "stock":
                 jobs.append(train_job(out, "stock", seed, ["compression=none"], common))
                 continue
-            searched_here = config.startswith("search_")
-            path = (search_dir(out, budgets[CONFIGS[config][0]]) / "best_map.yaml" if searched_here
-                    else map_file(out, config))
-            jobs.append(train_job(out, config, seed, ["compression=pool2", f"compression.map_file={path}",
-                                                      f"compression.name={config}"], common, needs=[path],
-                                  deps=[config] if searched_here else None))
+            searched = config.startswith("search_")
+            path = out / "search" / f"b{config.removeprefix('search_')}" / "best_map.yaml" if searched \
+                else out / "maps" / f"{config}.yaml"
+            jobs.append(train_job(out, config, seed, [f"compression.map_file={path}", f"compression.name={config}"],
+                                  common, needs=[path], deps=[config] if searched else None))
     return jobs
 
 
-def main() -> None:
+def _wanted(config: str, patterns: list[str] | None) -> bool:
+    return patterns is None or config == "stock" or any(fnmatch.fnmatchcase(config, p) for p in patterns)
+
+
+def criterion_maps(menu: MenuResult, preset: Preset, budgets: list[float], n: int, seed: int) -> dict[str, MapChoice]:
+    """``n`` maps spread from the tightest budget to 1.0: the knapsack's map of every criterion
+    at each budget, the uniform options (the first ``n`` of these), then random per-unit maps
+    (options drawn around a per-map aggressiveness) in empty ratio bins."""
+    maps: dict[str, MapChoice] = {}
+    for budget in budgets:
+        for criterion in CRITERIA:
+            maps[f"{criterion}_{budget_name(budget)}"] = menu.make_map(budget, criterion)
+    maps |= uniform_choices(menu, preset)
+    maps = dict(list(maps.items())[:n])
+    units = list(menu.unit_items().values())
+    by_name = {i.name: i for i in menu.items}
+    rng = random.Random(seed)
+    lo = max(min(budgets) * 0.9, menu.least_ratio())
+    bins = max(n - len(maps), 0)
+    edges = [lo + (1.0 - lo) * i / max(bins, 1) for i in range(bins + 1)]
+    filled: set[int] = set()
+    for _ in range(200 * max(bins, 1)):
+        if len(filled) == bins:
+            break
+        level, chosen = rng.random(), {}
+        for members in units:
+            first = by_name[members[0]]
+            options = sorted((o for o in first.options if all(o in by_name[m].options for m in members)),
+                             key=lambda o: -first.nbytes[first.index(o)])
+            i = round(level * (len(options) - 1) + rng.gauss(0, 1.5))
+            chosen.update(dict.fromkeys(members, options[min(max(i, 0), len(options) - 1)]))
+        choice = menu.choice_of(chosen)
+        b = next((i for i in range(bins) if edges[i] <= choice.score["ratio"] < edges[i + 1]), None)
+        if b is not None and b not in filled:
+            filled.add(b)
+            maps[f"random{b:02d}"] = choice
+    return maps
+
+
+def layout(preset: Preset, model: str, configs: dict[str, dict], budgets: list[float], menu: Path) -> dict:
+    return {"title": f"Maps at a memory budget ({model})", "model": model, "metric": preset.metric,
+            "key": preset.label, "scale": preset.scale, "label": preset.label, "lower_is_better": preset.lower_is_better,
+            "budgets": {budget_name(b): {"label": f"{b:g}x stock", "limit": b} for b in sorted(budgets, reverse=True)},
+            "configs": configs, "menu": str(menu),
+            "command": f"`python analysis/proof.py --model {model} --out DIR` then `python analysis/proof_summary.py DIR`",
+            "search_note": (f"Per-unit weights on the menu knapsack (every trial's map fits its budget); trials as in "
+                            f"`sweeps/{preset.sweep}.yaml`. Trial 0 is the knapsack's own map at that budget.")}
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "budget_proof")
-    p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--train-subset", type=int, default=20000)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    p.add_argument("--configs", nargs="+", default=ORDER, choices=ORDER)
-    p.add_argument("--reuse", type=Path, default=None,
-                   help="a proof directory with stock runs of the same schedule and seeds")
-    p.add_argument("--menu", type=Path, default=MENU, help="menu.json the searches weight (lessmem-sensitivity)")
-    p.add_argument("--search-trials", type=int, default=10)
+    p.add_argument("--model", choices=sorted(PRESETS), required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--budgets", type=float, nargs="+", help="fractions of stock's saved bytes (default: the preset's)")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(range(8)))
+    p.add_argument("--configs", nargs="+", default=None, help="only these configurations (fnmatch patterns; stock always)")
+    p.add_argument("--criterion", default=DEFAULT_CRITERION, choices=CRITERIA, help="the knapsack's criterion")
+    p.add_argument("--uniform-per-budget", type=int, default=2)
+    p.add_argument("--menu", type=Path, default=None, help="a menu.json to use instead of measuring one")
+    p.add_argument("--search-trials", type=int, default=10, help="0: no menu search")
+    p.add_argument("--set", nargs="*", default=[], help="more training overrides (KEY=VALUE), for every run")
+    p.add_argument("--search-set", nargs="*", default=[], help="more lessmem-search overrides")
+    p.add_argument("--criterion-check", type=int, default=0, metavar="N",
+                   help="train N maps spread over the budgets on one seed, ranked by each criterion")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    preset = PRESETS[args.model]
+    args.budgets = args.budgets or preset.budgets
     out = args.out.resolve()
-    write_uniform_maps(out)
-    if args.reuse:
-        reuse_runs(out, args.reuse.resolve(), ["stock"], args.seeds)
-    schedule(jobs_for(out, args), args.workers, args.threads, out)
+    (out / "maps").mkdir(parents=True, exist_ok=True)
+    menu_path = args.menu.resolve() if args.menu else measure_menu_job(out, preset, args.set, args.threads)
+    menu = MenuResult.load(menu_path)
+    print(f"menu: {menu_path} ({len(menu.items)} items); least reachable saved-bytes ratio {menu.least_ratio():.4f}",
+          flush=True)
+    if args.criterion_check:
+        maps = criterion_maps(menu, preset, args.budgets, args.criterion_check, seed=0)
+        configs = {"stock": {"home": "all", "uniform": False}} | {n: {"home": "all", "uniform": False} for n in maps}
+        args.seeds, args.search_trials = args.seeds[:1], 0
+    else:
+        maps, configs = plan(menu, preset, args.budgets, args.uniform_per_budget, args.criterion)
+    for name, choice in maps.items():
+        write_map(out, name, choice, f"{args.model} proof map {name}")
+    jobs = jobs_for(out, preset, args, configs, menu_path)
+    (out / "proof.json").write_text(json.dumps(layout(preset, args.model, configs, args.budgets, menu_path)
+                                               | {"criterion": args.criterion, "seeds": args.seeds,
+                                                  "criterion_check": bool(args.criterion_check)}, indent=1))
+    schedule(jobs, args.workers, args.threads, out)
+    if args.criterion_check:
+        from criterion_summary import summarize
+    else:
+        from proof_summary import summarize
+    summarize(out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

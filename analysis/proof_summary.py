@@ -1,7 +1,10 @@
-"""Summary of analysis/proof.py runs: per budget, every configuration's final top-1 over the
-same seeds, paired differences (same seed) against stock and against the best uniform option that
-fits, a paired t-test, and the memory-vs-accuracy frontier plot. Writes ``<out>/summary.md``,
-``summary.json`` and ``frontier.png``.
+"""Summary of analysis/proof.py runs: per budget, every configuration's final metric over the
+same seeds (mean, std, per seed), paired differences (same seed) against stock and against the best
+uniform option that fits, with a two-sided paired t-test and a bootstrap 95% interval of the mean
+paired difference, and the memory-vs-metric frontier plot. The layout (model, metric, budgets,
+configurations) is ``<out>/proof.json``, written by the driver; folders from before it (the
+issue-19 resnet20 proofs) use ``LEGACY``. Writes ``<out>/summary.md``, ``summary.json`` and
+``frontier.png``.
 
     python analysis/proof_summary.py docs/results/budget_proof
 """
@@ -10,22 +13,55 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import statistics
 import sys
 from pathlib import Path
 
 from compact_runs import by_seed
 from compact_runs import load as load_table
-from proof import CONFIGS, MENU, search_budgets
 
 from lessmem.sensitivity import MenuResult
 
-BUDGETS = {"2x2": "uniform 2x2's bytes", "4x4": "uniform 4x4's bytes", "0.15": "0.15x stock"}
+# The issue-19 resnet20 proof (docs/results/budget_proof*): config -> (home budget, conv spec of a
+# uniform option or None); budgets "2x2" / "4x4" are uniform pooling's bytes.
+_LEGACY_CONFIGS = {
+    "stock": ("all", None), "pool2": ("2x2", "2"), "chosen_2x2": ("2x2", None), "kernels_2x2": ("2x2", None),
+    "search_2x2": ("2x2", None), "pool4": ("4x4", "4"), "pool2_int4": ("4x4", "2/int4"),
+    "int8_bn8": ("4x4", "int8"), "chosen_4x4": ("4x4", None), "kernels_4x4": ("4x4", None),
+    "search_4x4": ("4x4", None), "pool2_int4_bn4": ("0.15", "2/int4"), "int4_bn2": ("0.15", "int4"),
+    "int2_bn4": ("0.15", "int2"), "chosen_0.15": ("0.15", None), "cosine_0.15": ("0.15", None),
+    "search_0.15": ("0.15", None),
+}
+LEGACY = {
+    "title": "Maps at a memory budget (resnet20, CIFAR-10)", "metric": "final_top1", "key": "top1", "scale": 100.0,
+    "label": "top-1", "lower_is_better": False,
+    "budgets": {"2x2": {"label": "uniform 2x2's bytes", "limit": None, "reference": "pool2"},
+                "4x4": {"label": "uniform 4x4's bytes", "limit": None, "reference": "pool4"},
+                "0.15": {"label": "0.15x stock", "limit": 0.15}},
+    "configs": {c: {"home": home, "uniform": conv is not None} for c, (home, conv) in _LEGACY_CONFIGS.items()},
+    "menu": "docs/results/criterion_check/menu/menu.json",
+    "command": ("`python analysis/proof.py --out DIR --epochs E --train-subset N` (chosen maps copied into DIR/maps "
+                "from the menu knapsack: `python analysis/menu_maps.py MENU.json --out ... --maps grad_error:0.547 "
+                "grad_error:0.15 grad_error:0.547:kernels`; the `search_*` maps: the best of the menu search at "
+                "that budget, run by the same command), `python analysis/proof_summary.py DIR`"),
+    "search_note": ("Per-unit weights on the whole-gradient-error knapsack (every trial's map fits its budget); "
+                    "trials train 2 epochs on the 10k subset with seed 100 and are scored on 5,000 held-out train "
+                    "images (never the test set), median-pruned after epoch 1 (`sweeps/menu_resnet20.yaml`). "
+                    "Trial 0 is the knapsack's own map at that budget."),
+}
+REPO = Path(__file__).resolve().parent.parent
 
 
-def load(table: dict) -> dict[str, dict[int, dict]]:
+def layout_of(out: Path) -> dict:
+    """The proof's layout: ``<out>/proof.json`` (analysis/proof.py writes it), else ``LEGACY``."""
+    path = out / "proof.json"
+    return json.loads(path.read_text()) if path.is_file() else LEGACY
+
+
+def load(table: dict, layout: dict) -> dict[str, dict[int, dict]]:
     """config -> seed -> metrics of its finished runs."""
-    return {config: runs for config in CONFIGS if (runs := by_seed(table, config))}
+    return {config: runs for config in layout["configs"] if (runs := by_seed(table, config))}
 
 
 def paired_t(diffs: list[float]) -> tuple[float, float]:
@@ -41,60 +77,75 @@ def paired_t(diffs: list[float]) -> tuple[float, float]:
     return t, float(2 * stats.t.sf(abs(t), len(diffs) - 1)) if math.isfinite(t) else 0.0
 
 
-def budget_limit(runs: dict[str, dict[int, dict]], budget: str) -> float:
-    """The budget as a saved-bytes ratio: measured for the uniform pooling configurations, else
-    as the menu predicts it (exact: the menu's bytes equal measure_memory's)."""
-    if budget == "0.15":
-        return 0.15
-    ref = {"2x2": "pool2", "4x4": "pool4"}[budget]
-    ratios = [r["ratio"] for r in runs.get(ref, {}).values()]
-    return max(ratios) if ratios else search_budgets(MenuResult.load(MENU))[budget]
+def bootstrap_ci(diffs: list[float], resamples: int = 10000, seed: int = 0) -> list[float]:
+    """95% percentile bootstrap interval of the mean of paired differences (seeds resampled)."""
+    if len(diffs) < 2:
+        return [math.nan, math.nan]
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(diffs, k=len(diffs))) for _ in range(resamples))
+    return [means[int(0.025 * (resamples - 1))], means[int(0.975 * (resamples - 1))]]
+
+
+def budget_limit(runs: dict[str, dict[int, dict]], spec: dict, out: Path, layout: dict) -> float:
+    """A budget as a saved-bytes ratio: given, or measured by its uniform reference configuration
+    (uniform pooling's bytes), else as the menu predicts it (exact: the menu's bytes are
+    measure_memory's)."""
+    if spec.get("limit") is not None:
+        return float(spec["limit"])
+    ratios = [r["ratio"] for r in runs.get(spec["reference"], {}).values()]
+    if ratios:
+        return max(ratios)
+    return MenuResult.load(REPO / layout["menu"]).uniform(spec["reference"].removeprefix("pool"))["ratio"]
 
 
 def summarize(out: Path) -> dict:
+    layout = layout_of(out)
     table = load_table(out)
-    runs = load(table)
+    runs = load(table, layout)
+    key, scale, sign = layout["key"], float(layout["scale"]), -1.0 if layout["lower_is_better"] else 1.0
     stock = runs.get("stock", {})
     # Runs trained once for another study (same map, schedule and seed): run -> where from.
     shared = {f"{config}/seed{seed}": m["reused_from"] for config in sorted(table["runs"])
               for seed, m in by_seed(table, config).items() if "reused_from" in m}
     result: dict = {"budgets": {}, "schedule": schedule(table["stock_config"]), "shared_runs": shared,
                     "searches": searches(out)}
-    for budget in BUDGETS:
-        limit = budget_limit(runs, budget)
+    if layout is not LEGACY:
+        result["layout"] = layout
+    for budget, spec in layout["budgets"].items():
+        limit = budget_limit(runs, spec, out, layout)
         rows = []
-        for config, (home, conv, _) in CONFIGS.items():
+        for config, info in layout["configs"].items():
             if config == "stock" or config not in runs:
                 continue
             seeds = sorted(runs[config])
-            top1 = [100 * runs[config][s]["final_top1"] for s in seeds]
+            values = [scale * runs[config][s][layout["metric"]] for s in seeds]
             ratio = max(runs[config][s]["ratio"] for s in seeds)
             fits = ratio <= limit + 1e-9
-            if not fits and home != budget:  # a config competes wherever its bytes fit
+            if not fits and info["home"] != budget:  # a config competes wherever its bytes fit
                 continue
-            rows.append({"config": config, "home": home, "uniform": conv is not None, "seeds": seeds, "top1": top1,
-                         "mean": statistics.fmean(top1), "std": statistics.stdev(top1) if len(top1) > 1 else math.nan,
-                         "ratio": ratio, "fits": fits})
+            rows.append({"config": config, "home": info["home"], "uniform": info["uniform"], "seeds": seeds,
+                         key: values, "mean": statistics.fmean(values),
+                         "std": statistics.stdev(values) if len(values) > 1 else math.nan, "ratio": ratio, "fits": fits})
         # The reference: the best uniform option among those run on the most seeds (a config still
         # missing seeds would be ranked on fewer, luckier or unluckier, seeds).
         fitting = [r for r in rows if r["uniform"] and r["fits"]]
         most = max((len(r["seeds"]) for r in fitting), default=0)
         uniform = [r for r in fitting if len(r["seeds"]) == most]
-        best_uniform = max(uniform, key=lambda r: r["mean"]) if uniform else None
+        best_uniform = max(uniform, key=lambda r: sign * r["mean"]) if uniform else None
         for row in rows:
-            row["vs_stock"] = _paired(row, {s: 100 * m["final_top1"] for s, m in stock.items()})
+            row["vs_stock"] = _paired(row, key, {s: scale * m[layout["metric"]] for s, m in stock.items()})
             if best_uniform is not None and row is not best_uniform:
-                ref = dict(zip(best_uniform["seeds"], best_uniform["top1"], strict=True))
-                row["vs_best_uniform"] = {**_paired(row, ref), "reference": best_uniform["config"]}
+                ref = dict(zip(best_uniform["seeds"], best_uniform[key], strict=True))
+                row["vs_best_uniform"] = {**_paired(row, key, ref), "reference": best_uniform["config"]}
         result["budgets"][budget] = {"limit": limit, "rows": rows,
                                      "best_uniform": best_uniform["config"] if best_uniform else None}
     if stock:
-        top1 = [100 * m["final_top1"] for m in stock.values()]
-        result["stock"] = {"seeds": sorted(stock), "mean": statistics.fmean(top1),
-                           "std": statistics.stdev(top1) if len(top1) > 1 else math.nan}
+        values = [scale * m[layout["metric"]] for m in stock.values()]
+        result["stock"] = {"seeds": sorted(stock), "mean": statistics.fmean(values),
+                           "std": statistics.stdev(values) if len(values) > 1 else math.nan}
     (out / "summary.json").write_text(json.dumps(result, indent=2))
-    (out / "summary.md").write_text(markdown(result))
-    plot_frontier(result, out / "frontier.png")
+    (out / "summary.md").write_text(markdown(result, layout))
+    plot_frontier(result, layout, out / "frontier.png")
     return result
 
 
@@ -105,12 +156,14 @@ def searches(out: Path) -> list[dict]:
     return sorted(found, key=lambda d: d["budget"])
 
 
-def _paired(row: dict, reference: dict[int, float]) -> dict:
+def _paired(row: dict, key: str, reference: dict[int, float]) -> dict:
     common = [s for s in row["seeds"] if s in reference]
-    diffs = [row["top1"][row["seeds"].index(s)] - reference[s] for s in common]
+    diffs = [row[key][row["seeds"].index(s)] - reference[s] for s in common]
     t, p = paired_t(diffs)
-    return {"seeds": common, "mean_diff": statistics.fmean(diffs) if diffs else math.nan, "t": t, "p": p,
-            "diffs": diffs}
+    mean_ref = statistics.fmean(reference[s] for s in common) if common else math.nan
+    mean_diff = statistics.fmean(diffs) if diffs else math.nan
+    return {"seeds": common, "mean_diff": mean_diff, "t": t, "p": p, "diffs": diffs, "ci95": bootstrap_ci(diffs),
+            "rel_pct": 100 * mean_diff / mean_ref if common and mean_ref else math.nan}
 
 
 def _fmt(v: float, spec: str = "+.2f") -> str:
@@ -122,63 +175,68 @@ def schedule(c: dict | None) -> str:
     if not c:
         return "unknown (no stock run)"
     opt, data = c.get("optimizer", {}), c.get("dataset", {})
-    return (f"{c.get('model', {}).get('name')}, {c.get('epochs')} epochs on a balanced {data.get('train_subset')}-image "
-            f"CIFAR-10 subset, batch {c.get('batch_size')}, {opt.get('name')} lr {opt.get('lr')}, "
-            f"{c.get('scheduler', {}).get('name')} schedule, full 10,000-image test set")
+    if data.get("name", "cifar10") == "cifar10":
+        return (f"{c.get('model', {}).get('name')}, {c.get('epochs')} epochs on a balanced {data.get('train_subset')}-image "
+                f"CIFAR-10 subset, batch {c.get('batch_size')}, {opt.get('name')} lr {opt.get('lr')}, "
+                f"{c.get('scheduler', {}).get('name')} schedule, full 10,000-image test set")
+    return (f"{c.get('model', {}).get('name')}, {c.get('epochs')} epoch(s) of at most {c.get('max_steps_per_epoch')} steps "
+            f"on {data.get('name')} (blocks of {data.get('seq_len')}), batch {c.get('batch_size')}, {opt.get('name')} "
+            f"lr {opt.get('lr')}, {c.get('scheduler', {}).get('name')} schedule, {data.get('val_blocks')} validation blocks")
 
 
-def markdown(result: dict) -> str:
-    lines = ["# Maps at a memory budget (resnet20, CIFAR-10)", "",
+def _ci(paired: dict) -> str:
+    lo, hi = paired.get("ci95", [math.nan, math.nan])
+    return "—" if math.isnan(lo) else f"[{lo:+.2f}, {hi:+.2f}]"
+
+
+def markdown(result: dict, layout: dict) -> str:
+    label, scale = layout["label"], float(layout["scale"])
+    better = "lower is better" if layout["lower_is_better"] else "higher is better"
+    lines = [f"# {layout['title']}", "",
              f"Schedule: {result.get('schedule', 'unknown')}. Every configuration on the same seeds (paired); "
-             "p: two-sided paired t-test. Commands: `python analysis/proof.py --out DIR --epochs E "
-             "--train-subset N` (chosen maps copied into DIR/maps from the menu knapsack: "
-             "`python analysis/menu_maps.py MENU.json --out ... --maps grad_error:0.547 grad_error:0.15 "
-             "grad_error:0.547:kernels`; the `search_*` maps: the best of the menu search at that budget, "
-             "run by the same command), `python analysis/proof_summary.py DIR`.", ""]
+             f"{label}: {better}; p: two-sided paired t-test; 95% CI: bootstrap interval of the mean paired "
+             f"difference (seeds resampled). Commands: {layout['command']}.", ""]
     if result.get("shared_runs"):
         lines += ["Runs trained once and shared with another study (same map, schedule and seed): "
                   + "; ".join(f"{run} ({source})" for run, source in result["shared_runs"].items()) + ".", ""]
     if "stock" in result:
         s = result["stock"]
-        lines += [f"Stock: {s['mean']:.2f} ± {_fmt(s['std'], '.2f')} top-1 over seeds {s['seeds']}.", "",
-                  "![memory vs accuracy frontier](frontier.png)", ""]
+        lines += [f"Stock: {s['mean']:.2f} ± {_fmt(s['std'], '.2f')} {label} over seeds {s['seeds']}.", "",
+                  "![memory vs metric frontier](frontier.png)", ""]
     if result.get("searches"):
-        lines += ["## Menu searches (Optuna, one per budget)", "",
-                  "Per-unit weights on the whole-gradient-error knapsack (every trial's map fits its budget); trials "
-                  "train 2 epochs on the 10k subset with seed 100 and are scored on 5,000 held-out train images "
-                  "(never the test set), median-pruned after epoch 1 (`sweeps/menu_resnet20.yaml`). Trial 0 is the "
-                  "knapsack's own map at that budget.", "",
-                  "| budget (ratio) | trials (pruned) | distinct maps trained | knapsack map (held-out top-1) "
-                  "| best trial (held-out top-1) | best is the knapsack map | report |",
+        lines += ["## Menu searches (Optuna, one per budget)", "", layout["search_note"], "",
+                  f"| budget (ratio) | trials (pruned) | distinct maps trained | knapsack map (held-out {label}) "
+                  f"| best trial (held-out {label}) | best is the knapsack map | report |",
                   "|---:|---|---:|---:|---:|---|---|"]
         for sr in result["searches"]:
             k = sr.get("knapsack")
-            knap = f"{100 * k['score']:.2f}" if k else "—"
+            knap = f"{scale * k['score']:.2f}" if k else "—"
             lines.append(f"| {sr['budget']:.4g} | {sr['complete_trials'] + sr['pruned_trials']} ({sr['pruned_trials']}) | "
                          f"{sr['distinct_maps_trained']} | {knap} | trial {sr['best']['trial']}: "
-                         f"{100 * sr['best']['score']:.2f} | {'yes' if sr['best_is_knapsack'] else 'no'} | "
+                         f"{scale * sr['best']['score']:.2f} | {'yes' if sr['best_is_knapsack'] else 'no'} | "
                          f"[{sr['dir']}/report.md]({sr['dir']}/report.md) |")
         lines.append("")
+    key = layout["key"]
     for budget, data in result["budgets"].items():
-        lines += [f"## Budget: {BUDGETS[budget]} (saved-bytes ratio <= {data['limit']:.3f})", ""]
+        lines += [f"## Budget: {layout['budgets'][budget]['label']} (saved-bytes ratio <= {data['limit']:.3f})", ""]
         if not data["rows"]:
             lines += ["No configuration of this proof was run at this budget.", ""]
             continue
-        lines += ["| config | saved ratio | fits | seeds | top-1 mean ± std | per seed | vs stock (paired) "
-                  "| vs best uniform (paired) | p |",
-                  "|---|---:|---|---|---:|---|---:|---:|---:|"]
+        lines += [f"| config | saved ratio | fits | seeds | {label} mean ± std | per seed | vs stock (paired) "
+                  "| vs best uniform (paired) | p | 95% CI |",
+                  "|---|---:|---|---|---:|---|---:|---:|---:|---|"]
         for r in data["rows"]:
             vs_u = r.get("vs_best_uniform", {})
             lines.append(
                 f"| {r['config']} | {r['ratio']:.3f} | {'yes' if r['fits'] else 'no'} | {len(r['seeds'])} | "
-                f"{r['mean']:.2f} ± {_fmt(r['std'], '.2f')} | {', '.join(f'{v:.2f}' for v in r['top1'])} | "
+                f"{r['mean']:.2f} ± {_fmt(r['std'], '.2f')} | {', '.join(f'{v:.2f}' for v in r[key])} | "
                 f"{_fmt(r['vs_stock']['mean_diff'])} | {_fmt(vs_u.get('mean_diff', math.nan))} | "
-                f"{_fmt(vs_u.get('p', math.nan), '.3f')} |")
+                f"{_fmt(vs_u.get('p', math.nan), '.3f')} | {_ci(vs_u)} |")
         lines += ["", f"Best uniform option that fits: {data['best_uniform']}.", ""]
     return "\n".join(lines) + "\n"
 
 
-def plot_frontier(result: dict, path: Path) -> None:
+def plot_frontier(result: dict, layout: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,10 +255,10 @@ def plot_frontier(result: dict, path: Path) -> None:
     for data in result["budgets"].values():
         if not math.isnan(data["limit"]):
             ax.axvline(data["limit"], color="grey", lw=0.6, ls=":")
-    ax.set_xlabel("saved-for-backward bytes / stock (batch 32)")
-    ax.set_ylabel("final top-1 (%), mean ± std over seeds")
+    ax.set_xlabel("saved-for-backward bytes / stock")
+    ax.set_ylabel(f"final {layout['label']}, mean ± std over seeds")
     ax.set_xscale("log")
-    ax.set_title("resnet20 CIFAR-10: o uniform, ◆ criterion's map, ★ searched map; dotted: budgets", fontsize=10)
+    ax.set_title(f"{layout['title']}: o uniform, ◆ criterion's map, ★ searched map; dotted: budgets", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -208,4 +266,4 @@ def plot_frontier(result: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    summarize(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "docs" / "results" / "budget_proof")
+    summarize(Path(sys.argv[1]) if len(sys.argv) > 1 else REPO / "docs" / "results" / "budget_proof")

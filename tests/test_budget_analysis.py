@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import shutil
 import subprocess
 from pathlib import Path
@@ -159,23 +160,83 @@ def test_a_proof_directory_reads_as_runs_not_as_a_search(tmp_path: Path) -> None
     assert is_search_dir(tmp_path)
 
 
-def test_proof_driver_trains_each_search_best_map_after_its_search(tmp_path: Path) -> None:
-    """analysis/proof.py: a ``search_*`` configuration waits for the menu search of its budget (run
-    first, at the ratio the menu predicts for uniform 4x4) and trains that search's best map."""
-    import argparse
-
+def test_proof_driver_plans_maps_that_fit_and_runs_each_search_before_its_best_map(tmp_path: Path) -> None:
+    """analysis/proof.py: per budget the knapsack's map and the fitting uniform options spending
+    most of it (predicted bytes, exact), the searches launched in the new form and first, their
+    best maps trained after them, 8 paired seeds by default."""
     proof = importlib.import_module("proof")
     torch.manual_seed(0)
     menu = measure_menu(build_model("resnet20", num_classes=10).train(), [(torch.randn(2, 3, 32, 32), torch.tensor([0, 1]))],
-                        kernels=(1, 2, 4), storages=("native", "int8"), norm_storages=("int8",), act_storages=())
+                        kernels=(1, 2, 4), storages=("native", "int8", "int4", "int2", "int1"),
+                        norm_storages=("int8", "int4", "int2", "int1"), act_storages=())
     menu.save(tmp_path / "menu", heatmap=False)
-    args = argparse.Namespace(epochs=1, train_subset=100, seeds=[0, 1], configs=["stock", "search_4x4"],
-                              menu=tmp_path / "menu" / "menu.json", search_trials=3)
-    jobs = {j.name: j for j in proof.jobs_for(tmp_path, args)}
-    assert list(jobs)[0] == "search_4x4"
-    ratio = menu.uniform("4")["ratio"]
-    assert f"budget={ratio:.4g}" in jobs["search_4x4"].argv and "n_trials=3" in jobs["search_4x4"].argv
-    for seed in (0, 1):
-        train = jobs[f"search_4x4/seed{seed}"]
-        assert train.deps == ["search_4x4"]
-        assert train.needs == [tmp_path / "search" / f"b{ratio:.4g}" / "best_map.yaml"]
+    preset = proof.PRESETS["resnet20"]
+    maps, configs = proof.plan(menu, preset, [0.125, 0.05], per_budget=2, criterion="grad_error")
+    for budget in ("0.125", "0.05"):
+        assert maps[f"chosen_{budget}"].score["ratio"] <= float(budget)
+        uniform = [c for c, info in configs.items() if info["uniform"] and info["home"] == budget]
+        assert 1 <= len(uniform) <= 2 and all(maps[c].score["ratio"] <= float(budget) for c in uniform)
+    import argparse
+
+    ns = argparse.Namespace(budgets=[0.125, 0.05], search_trials=3, search_set=[], set=["epochs=1"], seeds=list(range(8)),
+                            configs=None, criterion="grad_error")
+    jobs = {j.name: j for j in proof.jobs_for(tmp_path, preset, ns, configs, tmp_path / "menu" / "menu.json")}
+    assert list(jobs)[:2] == ["search_0.125", "search_0.05"]
+    search = jobs["search_0.05"].argv
+    assert search[search.index("-cd") + 1] == str(proof.REPO / "sweeps") and search[search.index("-cn") + 1] == "menu_resnet20"
+    assert "budget=0.05" in search and "n_trials=3" in search and "criterion=grad_error" in search and f"out_dir={tmp_path / 'search' / 'b0.05'}" in search
+    assert {j.split("/")[1] for j in jobs if "/" in j} == {f"seed{s}" for s in range(8)}
+    trained = jobs["search_0.05/seed7"]
+    assert trained.deps == ["search_0.05"] and trained.needs == [tmp_path / "search" / "b0.05" / "best_map.yaml"]
+    assert "epochs=1" in jobs["stock/seed0"].argv
+
+
+def write_lm_run(out: Path, config: str, seed: int, ppl: float, ratio: float) -> None:
+    run = out / "runs" / config / f"seed{seed}"
+    run.mkdir(parents=True)
+    (run / "metrics.json").write_text(json.dumps({"final_val_ppl": ppl, "ratio": ratio}))
+
+
+def test_proof_summary_of_a_language_model_reads_lower_perplexity_as_better(tmp_path: Path) -> None:
+    proof = importlib.import_module("proof")
+    configs = {"stock": {"home": "all", "uniform": False}, "int8_all": {"home": "0.5", "uniform": True},
+               "int4_all": {"home": "0.5", "uniform": True}, "chosen_0.5": {"home": "0.5", "uniform": False}}
+    layout = proof.layout(proof.PRESETS["tiny_llama"], "tiny_llama", configs, [0.5], tmp_path / "menu.json")
+    (tmp_path / "proof.json").write_text(json.dumps(layout))
+    for seed, base in enumerate((8.4, 8.3, 8.5, 8.35)):
+        write_lm_run(tmp_path, "stock", seed, base, 1.0)
+        write_lm_run(tmp_path, "int8_all", seed, base + 0.6, 0.45)
+        write_lm_run(tmp_path, "int4_all", seed, base + 0.3 + 0.01 * seed, 0.3)
+        write_lm_run(tmp_path, "chosen_0.5", seed, base + 0.05 * (seed + 1), 0.49)
+    analysis("proof_summary", tmp_path)
+    result = json.loads((tmp_path / "summary.json").read_text())
+    budget = result["budgets"]["0.5"]
+    assert budget["best_uniform"] == "int4_all"  # the lowest perplexity
+    chosen = next(r for r in budget["rows"] if r["config"] == "chosen_0.5")
+    assert chosen["val_ppl"] == pytest.approx([8.45, 8.4, 8.65, 8.55])
+    vs = chosen["vs_best_uniform"]
+    assert vs["diffs"] == pytest.approx([-0.25, -0.21, -0.17, -0.13]) and vs["p"] < 0.05
+    lo, hi = vs["ci95"]
+    assert lo <= vs["mean_diff"] <= hi < 0
+    assert chosen["vs_stock"]["rel_pct"] == pytest.approx(100 * 0.125 / 8.3875)
+    md = (tmp_path / "summary.md").read_text()
+    assert "val_ppl: lower is better" in md and "| chosen_0.5 | 0.490 | yes | 4 |" in md
+
+
+@pytest.mark.slow
+def test_criterion_check_on_a_tiny_language_model(tmp_path: Path) -> None:
+    """``analysis/proof.py --criterion-check``: the menu measured after warm-up, maps over the
+    budgets trained one seed each, each criterion's Spearman with final val_ppl."""
+    pytest.importorskip("transformers")
+    proof = importlib.import_module("proof")
+    tiny = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1", "dataset.seq_len=32",
+            "dataset.size_mb=1", "dataset.val_blocks=8", "batch_size=4", "eval_batch_size=8", "memory_batch=4",
+            "max_steps_per_epoch=3"]
+    proof.PRESETS["tiny_llama"].sensitivity[:] = ["sensitivity.batches=1", "sensitivity.batch_size=4",
+                                                 "sensitivity.warmup_steps=2"]
+    assert proof.main(["--model", "tiny_llama", "--out", str(tmp_path), "--budgets", "0.3", "--criterion-check", "3",
+                       "--set", *tiny, "--workers", "2"]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["maps"] >= 4 and set(summary["spearman"]) == {"grad_error", "loss_change", "cosine", "ratio"}
+    assert all(math.isfinite(r["val_ppl"]) for r in summary["rows"])
+    assert "Spearman rho with final val_ppl" in (tmp_path / "summary.md").read_text()

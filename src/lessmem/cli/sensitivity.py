@@ -38,6 +38,7 @@ def _print_menu(result: MenuResult) -> None:
         print(f"  {conv:>8} {norm:>7}  {s['ratio']:6.3f}  {s['grad_error']:10.4g}  {s['cosine']:7.4f}")
     s = result.meta["chosen"]["score"]
     print(f"  {'chosen':>16}  {s['ratio']:6.3f}  {s['grad_error']:10.4g}  {s['cosine']:7.4f}")
+    print(f"least reachable saved-bytes ratio: {result.least_ratio():.4f}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

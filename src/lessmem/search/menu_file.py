@@ -7,35 +7,59 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import tempfile
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 from tqdm.auto import tqdm
 
-from lessmem.experiment import build_model_from_cfg, fixed_batches, load_checkpoint, task_of
+from lessmem.experiment import build_model_from_cfg, fixed_batches, load_checkpoint, run, task_of
 from lessmem.sensitivity import CRITERIA, MapChoice, MenuResult, measure_menu, write_map_yaml
 
 
 def measure_config_menu(cfg: DictConfig, menu: DictConfig, sampling: DictConfig) -> MenuResult:
-    """Measure ``menu`` (kernels, storages, norm_storages, act_storages) for the model of the train
-    config ``cfg`` with its task's loss, on ``sampling.batches`` fixed batches of
-    ``sampling.batch_size`` from ``sampling.split``, weights from ``sampling.checkpoint`` (or the
-    seeded random init)."""
+    """Measure ``menu`` (kernels, storages, norm_storages, act_storages, saved_storages) for the
+    model of the train config ``cfg`` with its task's loss, on ``sampling.batches`` fixed batches
+    of ``sampling.batch_size`` from ``sampling.split``, on the weights being trained: from
+    ``sampling.checkpoint``, or after ``sampling.warmup_steps`` stock training steps of ``cfg``
+    (0: the seeded random init)."""
     torch.manual_seed(int(cfg.get("seed", 0)))
     model = build_model_from_cfg(cfg)
-    if sampling.get("checkpoint"):
-        load_checkpoint(model, sampling.checkpoint)
+    weights = "random init"
+    with tempfile.TemporaryDirectory(prefix="lessmem-warmup-") as tmp:
+        checkpoint = sampling.get("checkpoint") or warm_up(cfg, int(sampling.get("warmup_steps") or 0), Path(tmp))
+        if checkpoint:
+            load_checkpoint(model, checkpoint)
+            weights = (str(sampling.checkpoint) if sampling.get("checkpoint")
+                       else f"stock, after {int(sampling.warmup_steps)} warm-up steps")
     device = "cuda" if cfg.get("device", "auto") in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     model.to(device).train()
     batches = fixed_batches(cfg, int(sampling.batches), int(sampling.batch_size), str(sampling.split),
                             int(cfg.get("seed", 0)))
     result = measure_menu(model, tqdm(batches, desc="menu", unit="batch"), [int(k) for k in menu.kernels],
                           [str(s) for s in menu.storages], [str(s) for s in menu.norm_storages],
-                          [str(s) for s in menu.act_storages], task_of(cfg).criterion)
+                          [str(s) for s in menu.act_storages], task_of(cfg).criterion,
+                          saved_storages=[str(s) for s in menu.get("saved_storages", [])])
     result.meta.update({"model": str(cfg.model.name), "dataset": str(cfg.dataset.name),
-                        "split": str(sampling.split), "weights": str(sampling.get("checkpoint") or "random init")})
+                        "split": str(sampling.split), "weights": weights})
     return result
+
+
+def warm_up(cfg: DictConfig, steps: int, out_dir: Path) -> Path | None:
+    """The checkpoint of ``steps`` stock training steps of ``cfg`` (one epoch cut at ``steps``,
+    its schedule over those steps), written in ``out_dir``; None for no steps."""
+    if steps <= 0:
+        return None
+    warm = cfg.copy()
+    with open_dict(warm):
+        warm.compression.update({"name": "none", "map": {}, "map_file": None, "norm_storage": "native",
+                                 "act_storage": "native", "saved_storage": "native", "exact_companions": None})
+        warm.update({"epochs": 1, "max_steps_per_epoch": steps, "out_dir": str(out_dir), "resume": False,
+                     "adaptive": {**warm.get("adaptive", {}), "every": 0}})
+        warm.logger = {"name": "disabled"}
+    run(warm)
+    return out_dir / "checkpoint.pt"
 
 
 def cached_menu(cfg: DictConfig, menu: DictConfig, sampling: DictConfig, out_dir: Path) -> MenuResult:
@@ -74,5 +98,6 @@ def write_menu_files(result: MenuResult, budget: float, criterion: str, out: Pat
                f"{choice.score['grad_error']:.4g}, mean cosine {choice.score['cosine']:.4f} "
                f"(batch {result.meta['batch_size']})")
     paths["map"] = write_map_yaml(choice.map, map_out or out / f"menu_{model}.yaml", comment=comment,
-                                  norm_storage=choice.norm_storage, act_storage=choice.act_storage)
+                                  norm_storage=choice.norm_storage, act_storage=choice.act_storage,
+                                  saved_storage=choice.saved_storage)
     return choice, paths

@@ -35,7 +35,10 @@ def weight_param(unit: str) -> str:
 
 def map_key(choice: MapChoice) -> str:
     """Equal maps, equal keys (the trial-reuse check)."""
-    text = json.dumps([choice.map, choice.norm_storage, choice.act_storage], sort_keys=True)
+    parts = [choice.map, choice.norm_storage, choice.act_storage]
+    if choice.saved_storage != "native":  # maps without saved-tensor regions keep their keys
+        parts.append(choice.saved_storage)
+    text = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -64,7 +67,7 @@ class Objective:
         trial_dir = self.out_dir / "trials" / f"{trial.number:04d}"
         map_path = write_map_yaml(choice.map, trial_dir / "compression.yaml", name=name,
                                   norm_storage=choice.norm_storage, act_storage=choice.act_storage,
-                                  comment=f"{self.search.study_name} trial {trial.number}: predicted saved bytes "
+                                  saved_storage=choice.saved_storage, comment=f"{self.search.study_name} trial {trial.number}: predicted saved bytes "
                                           f"{choice.score['ratio']:.3f}x stock, {self.criterion} "
                                           f"{choice.score[self.criterion]:.4g}")
         cfg = self.base.copy()
@@ -85,7 +88,7 @@ class Objective:
             trial.set_user_attr("same_as", earlier.number)
             score = float(earlier.value)
         else:
-            score = train_trial(cfg, trial, str(self.search.score_key))
+            score = train_trial(cfg, trial, str(self.search.score_key), self.search.direction == "minimize")
         trial.set_user_attr("score", score)
         return score
 
@@ -95,21 +98,25 @@ class Objective:
         return next((t for t in done if t.user_attrs.get("map_key") == key and "same_as" not in t.user_attrs), None)
 
 
-def train_trial(cfg: DictConfig, trial: optuna.Trial, score_key: str) -> float:
-    """Train ``cfg`` reporting per-epoch val top-1 to ``trial`` (pruned when the pruner says so);
-    returns ``metrics[score_key]``."""
-    best = [float("-inf")]
+def train_trial(cfg: DictConfig, trial: optuna.Trial, score_key: str, minimize: bool = False) -> float:
+    """Train ``cfg`` reporting the per-epoch validation value of ``score_key``'s metric
+    (``best_top1`` / ``final_top1``: ``val_top1``; ``final_val_ppl``: ``val_ppl``) to ``trial``
+    (pruned when the pruner says so); returns ``metrics[score_key]``."""
+    metric = score_key.removeprefix("best_").removeprefix("final_")
+    metric = metric if metric.startswith("val_") else f"val_{metric}"
+    better = min if minimize else max
+    best: list[float] = []
     epochs = int(cfg.epochs)
 
     def report(epoch: int, record: dict[str, Any]) -> None:
         # Intermediate value: the score so far (best_* keys: best epoch so far).
-        value = float(record["val_top1"] if "top1" in score_key else record["val_top5"])
-        best[0] = max(best[0], value)
+        value = float(record[metric])
+        best[:] = [better([*best, value])]
         trial.report(best[0] if score_key.startswith("best") else value, epoch)
         # After the last epoch there is nothing left to save: the trial completes with its score.
         if epoch < epochs and trial.should_prune():
             trial.set_user_attr("pruned_at_epoch", epoch)
-            raise optuna.TrialPruned(f"pruned after epoch {epoch} (val_top1 {value:.4f})")
+            raise optuna.TrialPruned(f"pruned after epoch {epoch} ({metric} {value:.4f})")
 
     metrics = run(cfg, on_epoch_end=report)
     trial.set_user_attr("measured_saved_bytes", metrics.get("saved_bytes"))

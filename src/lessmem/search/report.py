@@ -46,7 +46,8 @@ def write_report(study: optuna.Study, search: DictConfig) -> dict[str, Any]:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
         writer.writerows(rows)
-    best = max(complete, key=lambda r: r["score"])
+    sign = -1.0 if search.direction == "minimize" else 1.0
+    best = max(complete, key=lambda r: sign * r["score"])
     seed = next((r for r in complete if r["seed"] == "knapsack"), None)
     shutil.copyfile(best["map_file"], out_dir / "best_map.yaml")
     summary = {

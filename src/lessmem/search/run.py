@@ -48,7 +48,7 @@ def open_search_study(search: DictConfig) -> tuple[optuna.Study, bool]:
     seed = int(search.seed) + n_stored(storage, str(search.study_name))
     if search.worker:
         seed += (hash(socket.gethostname()) + 7919 * os.getpid()) % 1_000_003
-    return open_study(str(search.study_name), storage, optuna.samplers.TPESampler(seed=seed), ["maximize"],
+    return open_study(str(search.study_name), storage, optuna.samplers.TPESampler(seed=seed), [str(search.direction)],
                       make_pruner(search.pruner))
 
 

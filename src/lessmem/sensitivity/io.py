@@ -12,9 +12,9 @@ StorageRule = str | Mapping[str, str]
 
 def write_map_yaml(mapping: Mapping[str, Any], path: str | Path, name: str | None = None,
                    comment: str | None = None, norm_storage: StorageRule = "native",
-                   act_storage: StorageRule = "native") -> Path:
-    """Write ``mapping`` (pattern -> kernel or spec text such as ``"2/int4"``) and the storages of
-    BatchNorm and activation inputs as a compression config group file
+                   act_storage: StorageRule = "native", saved_storage: StorageRule = "native") -> Path:
+    """Write ``mapping`` (pattern -> kernel or spec text such as ``"2/int4"``), the storages of
+    BatchNorm and activation inputs and of saved-tensor regions as a compression config group file
     (``conf/compression/<name>.yaml``)."""
     import yaml
 
@@ -26,6 +26,7 @@ def write_map_yaml(mapping: Mapping[str, Any], path: str | Path, name: str | Non
         "map_file": None,
         "norm_storage": _rule(norm_storage),
         "act_storage": _rule(act_storage),
+        "saved_storage": _rule(saved_storage),
         "exact_companions": True,
     }
     header = "".join(f"# {line}\n" for line in (comment or "").splitlines())
@@ -33,17 +34,18 @@ def write_map_yaml(mapping: Mapping[str, Any], path: str | Path, name: str | Non
     return path
 
 
-def read_map_yaml(path: str | Path) -> tuple[dict[str, Any], StorageRule, StorageRule]:
-    """(map, norm_storage, act_storage) of a map file: one with ``map:`` and settings, or a bare
-    ``pattern: kernel`` mapping (storages then native)."""
+def read_map_yaml(path: str | Path) -> tuple[dict[str, Any], StorageRule, StorageRule, StorageRule]:
+    """(map, norm_storage, act_storage, saved_storage) of a map file: one with ``map:`` and
+    settings, or a bare ``pattern: kernel`` mapping (storages then native)."""
     import yaml
 
     data = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of pattern -> kernel")
     if isinstance(data.get("map"), dict):
-        return dict(data["map"]), data.get("norm_storage") or "native", data.get("act_storage") or "native"
-    return dict(data), "native", "native"
+        return (dict(data["map"]), data.get("norm_storage") or "native", data.get("act_storage") or "native",
+                data.get("saved_storage") or "native")
+    return dict(data), "native", "native", "native"
 
 
 def _value(v: Any) -> int | str:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Item kinds the compression map addresses (the others take norm_storage / act_storage).
+# Item kinds the compression map addresses (the others take norm_storage / act_storage / saved_storage).
 MAP_KINDS = ("conv", "linear")
 
 def option_name(kernel: int, storage: str) -> str:
@@ -19,11 +19,12 @@ def option_name(kernel: int, storage: str) -> str:
 @dataclass
 class MenuItem:
     name: str
-    kind: str  # "conv" | "linear" (token-pooling linear) | "norm" | "act"
+    kind: str  # "conv" | "linear" (token-pooling linear) | "norm" | "act" | "saved" (a module's own saves)
     options: list[str]
     nbytes: list[int]  # per option
     criteria: dict[str, list[list[float]]]  # criterion -> per batch -> per option
     group: int | None = None  # conv items reading one tensor share a group id
+    shielded: bool = False  # a "saved" item whose module has children (kept native by its rule)
 
     @property
     def exact_option(self) -> str:

@@ -2,12 +2,14 @@
 
 One item per place a map can compress: every Conv2d input and every token-pooling linear's input
 (options: pooling kernel x storage, written ``"2"``, ``"2/int4"``, ``"int4"``; k x k blocks or groups
-of k tokens), every BatchNorm2d input and every GELU / SiLU input (options: a storage, its bytes
-measured with the option applied). Per item, option and batch three criteria:
+of k tokens), every BatchNorm2d input and every GELU / SiLU input, and every saved-tensor region
+(``lessmem.sensitivity.regions``: what a module other than those saves itself, a norm's input,
+attention's q / k / v / output, a gated product; options: a storage, its bytes measured with the
+option applied). Per item, option and batch three criteria:
 
 - ``grad_error``: ||g_hat - g||^2 / ||g||^2 with g the whole parameter gradient. A conv input
   touches only its own weight gradient and leaves the backward exact, so these add up over conv
-  items exactly; BatchNorm / activation storages change the gradient of every earlier layer and
+  items exactly; BatchNorm / activation / region storages change the gradient of every earlier layer and
   are measured by an actual compressed backward (GACT's probing), their errors added as if
   independent.
 - ``loss_change``: <g, g - g_hat> / ||g||^2, how much less a step of SGD lowers the loss to
@@ -33,6 +35,7 @@ from lessmem.core import first_match, parse_spec
 from lessmem.sensitivity.items import MAP_KINDS, MenuItem, option_name
 from lessmem.sensitivity.knapsack import least_value_choice
 from lessmem.sensitivity.menu_plot import plot_menu
+from lessmem.sensitivity.regions import region_rule
 
 CRITERIA = ("grad_error", "loss_change", "cosine")
 # The criterion make_map uses unless told otherwise: the one whose ranking of trained maps matched
@@ -43,12 +46,14 @@ StorageRule = str | Mapping[str, str]
 
 @dataclass
 class MapChoice:
-    """A map read from a menu: conv map, BatchNorm and activation storages, and its score."""
+    """A map read from a menu: conv map, BatchNorm, activation and saved-region storages (the
+    ``compress`` options of those names), and its score."""
 
     map: dict[str, str]
     norm_storage: dict[str, str] | str
     act_storage: dict[str, str] | str
     score: dict[str, float]
+    saved_storage: dict[str, str] | str = "native"
 
 
 @dataclass
@@ -61,11 +66,13 @@ class MenuResult:
     # ---- scoring --------------------------------------------------------------------------------
 
     def options_of(self, mapping: Mapping[str, Any] | None, norm_storage: StorageRule = "native",
-                   act_storage: StorageRule = "native") -> dict[str, str]:
-        """Item name -> the option a map (as ``lessmem.compress`` reads it) gives it."""
+                   act_storage: StorageRule = "native", saved_storage: StorageRule = "native") -> dict[str, str]:
+        """Item name -> the option a map (as ``lessmem.compress`` reads it) gives it. A saved-region
+        item takes the rule's first match on its own name (its bytes are exact for rules of
+        ``region_rule``'s form, which ``make_map`` and ``uniform_choice`` write)."""
         conv_rule = _conv_rule(mapping or {})
         rules = {"conv": conv_rule, "linear": conv_rule, "norm": _storage_rule(norm_storage),
-                 "act": _storage_rule(act_storage)}
+                 "act": _storage_rule(act_storage), "saved": _storage_rule(saved_storage)}
         chosen = {}
         for item in self.items:
             rule = rules[item.kind]
@@ -76,9 +83,9 @@ class MenuResult:
         return chosen
 
     def score(self, mapping: Mapping[str, Any] | None, norm_storage: StorageRule = "native",
-              act_storage: StorageRule = "native") -> dict[str, float]:
+              act_storage: StorageRule = "native", saved_storage: StorageRule = "native") -> dict[str, float]:
         """Every criterion and the predicted saved bytes (and ratio to stock) of a map."""
-        return self._score(self.options_of(mapping, norm_storage, act_storage))
+        return self._score(self.options_of(mapping, norm_storage, act_storage, saved_storage))
 
     def _score(self, chosen: Mapping[str, str]) -> dict[str, float]:
         totals = dict.fromkeys(CRITERIA, 0.0)
@@ -129,21 +136,45 @@ class MenuResult:
         for members, options, j in zip(units, unit_options, choice, strict=True):
             for m in members:
                 chosen[m.name] = options[j]
+        return self.choice_of(chosen)
+
+    def choice_of(self, chosen: Mapping[str, str]) -> MapChoice:
+        """The map (compress options) giving each item its option in ``chosen`` (item name ->
+        option; items reading one tensor must agree), and its score."""
         conv = {i.name: chosen[i.name] for i in self.items if i.kind in MAP_KINDS}
         norm = {i.name: chosen[i.name] for i in self.items if i.kind == "norm" and chosen[i.name] != "native"}
         act = {i.name: chosen[i.name] for i in self.items if i.kind == "act" and chosen[i.name] != "native"}
-        return MapChoice(conv, norm or "native", act or "native", self._score(chosen))
+        saved = region_rule({i.name: chosen[i.name] for i in self.items if i.kind == "saved"},
+                            {i.name: i.shielded for i in self.items if i.kind == "saved"})
+        return MapChoice(conv, norm or "native", act or "native", self._score(chosen), saved)
 
-    def uniform(self, conv: str, norm: str = "native", act: str = "native") -> dict[str, float]:
-        """The score of one option everywhere (``conv`` as written in a map, e.g. "2/int4")."""
-        return self.score({"*": conv}, norm, act)
+    def uniform_choice(self, conv: str, norm: str = "native", act: str = "native",
+                       saved: str = "native") -> MapChoice:
+        """One option everywhere (``conv`` as written in a map, e.g. "2/int4"; a storage for the
+        BatchNorm, activation and saved-region items), as a map whose bytes the menu predicts exactly."""
+        kinds = {"norm": norm, "act": act, "saved": saved}
+        chosen = self.options_of({"*": conv})
+        for item in self.items:
+            if item.kind in kinds:
+                item.index(kinds[item.kind])
+                chosen[item.name] = kinds[item.kind]
+        return self.choice_of(chosen)
+
+    def uniform(self, conv: str, norm: str = "native", act: str = "native", saved: str = "native") -> dict[str, float]:
+        """The score of one option everywhere (``uniform_choice``)."""
+        return self.uniform_choice(conv, norm, act, saved).score
+
+    def least_ratio(self) -> float:
+        """The smallest saved-bytes ratio to stock any map of this menu reaches."""
+        least = self.base_bytes + sum(min(members[0].nbytes) for members in self._units())
+        return least / self.stock_bytes
 
     def unit_items(self) -> dict[str, list[str]]:
         """Units that choose one option together, named by their first item -> their items."""
         return {members[0].name: [m.name for m in members] for members in self._units()}
 
     def _units(self) -> list[list[MenuItem]]:
-        """Items that choose together: one conv group, or a single norm / activation item."""
+        """Items that choose together: one conv group, or a single norm / activation / region item."""
         groups: dict[Any, list[MenuItem]] = {}
         for item in self.items:
             key = ("group", item.group) if item.group is not None else ("item", item.name)

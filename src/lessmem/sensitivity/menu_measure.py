@@ -1,10 +1,11 @@
-"""Measure the whole compressor menu (pooling kernel x storage for conv inputs, storage for
-BatchNorm and GELU / SiLU inputs) of a model on a few batches (``lessmem.sensitivity.menu``).
+"""Measure the whole compressor menu (pooling kernel x storage for conv and token-linear inputs,
+storage for BatchNorm and GELU / SiLU inputs and for what other modules save themselves: norms,
+attention, gated products) of a model on a few batches (``lessmem.sensitivity.menu``).
 
 Per batch: one exact forward/backward (exact companions, bit-identical to stock) whose conv
 hooks recompute each conv's weight gradient from its input pooled and stored every way the menu
-offers; then one compressed forward/backward per lossy BatchNorm / activation option, which
-carries that option's error into every earlier layer as training would. Stochastic rounding and
+offers; then one compressed forward/backward per lossy BatchNorm / activation / saved-region
+option, which carries that option's error into every earlier layer as training would. Stochastic rounding and
 dropout draw the same noise in every pass of a batch, and the global rounding stream and torch
 RNG are left as they were.
 """
@@ -37,6 +38,7 @@ from lessmem.sensitivity.geometry import (
 )
 from lessmem.sensitivity.items import MenuItem, option_name
 from lessmem.sensitivity.menu import MenuResult
+from lessmem.sensitivity.regions import region_candidates, region_groups, region_rule
 from lessmem.sensitivity.weight_grad import (
     conv_weight_grad,
     linear_weight_grad,
@@ -45,8 +47,9 @@ from lessmem.sensitivity.weight_grad import (
 )
 
 DEFAULT_KERNELS = (1, 2, 4, 8)
-# 1-bit BatchNorm / activation inputs diverge in training: left out of the default menu.
-LOSSY_STORAGES = ("bf16", "int8", "int4", "int2")
+# Every lossy width for BatchNorm / activation / saved-region items (the knapsack decides; 1-bit
+# norm inputs cost the most gradient error, and the criterion says so).
+LOSSY_STORAGES = ("bf16", "int8", "int4", "int2", "int1")
 Batch = Tensor | tuple[Tensor, Tensor] | list[Tensor]
 
 
@@ -58,17 +61,22 @@ def measure_menu(
     norm_storages: Sequence[str] = LOSSY_STORAGES,
     act_storages: Sequence[str] = LOSSY_STORAGES,
     loss_fn: Callable[[Tensor, Tensor | None], Tensor] | None = None,
+    *,
+    saved_storages: Sequence[str] = (),
 ) -> MenuResult:
     """Every menu option's bytes and gradient error on ``batches`` (``images`` or
     ``(images, labels)``), for ``model`` in its current mode; ``model`` itself is not changed.
     ``storages=("native",)`` with no norm / activation storages is the kernel-only menu (pooling
     alone). loss_fn(output, targets): cross-entropy by default (mean square of the output without
-    targets); pass the training loss for other outputs (a language model's next-token loss)."""
+    targets); pass the training loss for other outputs (a language model's next-token loss).
+    saved_storages: the storages of the saved-tensor regions (``lessmem.sensitivity.regions``):
+    every module, other than an item, whose own forward saves floating tensors; empty (the
+    default, as before regions were items): none. ``menu=full`` asks for every lossy width."""
     kernels = sorted({int(k) for k in kernels})
     if not kernels or kernels[0] != 1 or "native" not in storages:
         raise ValueError(f"the menu needs kernel 1 and native storage (the exact option) among positive "
                          f"kernels, got kernels {kernels}, storages {list(storages)}")
-    for s in (*storages, *norm_storages, *act_storages):
+    for s in (*storages, *norm_storages, *act_storages, *saved_storages):
         if s not in STORAGES:
             raise ValueError(f"unknown storage {s!r}; choose from {', '.join(STORAGES)}")
     loss_fn = loss_fn or _default_loss
@@ -77,6 +85,11 @@ def measure_menu(
     reach = storable_layers(net)
     probes = [("norm", n, s) for n in reach["norm_storage"] for s in norm_storages if s != "native"]
     probes += [("act", n, s) for n in reach["act_storage"] for s in act_storages if s != "native"]
+    lossy_saved = [s for s in saved_storages if s != "native"]
+    regions: dict[str, bool] = {}  # saved-region item -> whether its module has children (shielded)
+    units: dict[str, list[str]] = {}  # regions choosing together, by their first member
+    region_bytes: dict[str, int] = {}  # per unit
+    probe_delta: dict[tuple[str, str], int] = {}  # saved bytes an option adds to the exact model
     conv_options = [(k, s) for k in kernels for s in storages]
     recorder = _MenuRecorder(layers, conv_options)
     lossy_inputs = _InputSizes(net, [*reach["norm_storage"], *reach["act_storage"]])
@@ -84,7 +97,6 @@ def measure_menu(
     device = params[0].device
     state, first = rounding_state(), None
     probe_stats: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
-    probe_delta: dict[tuple[str, str], int] = {}  # saved bytes an option adds to the exact model
     n_batches = 0
     try:
         for batch_no, batch in enumerate(batches):
@@ -96,10 +108,13 @@ def measure_menu(
             recorder.finish_batch(norm2)
             if batch_no == 0:  # the exact-companion model's bytes: what every option is measured against
                 exact_total = measure_memory(net, x).total_bytes
+                if lossy_saved:
+                    items_named = {*(layer.name for layer in layers), *reach["norm_storage"], *reach["act_storage"]}
+                    regions, units, region_bytes = _saved_regions(net, x, items_named, lossy_saved, probe_delta)
+                    probes += [("saved", n, s) for n in units for s in lossy_saved]
             for kind, name, storage in probes:
-                option = "norm_storage" if kind == "norm" else "act_storage"
-                compress(net, None, **{option: {name: storage}})
-                if batch_no == 0:  # measured, not assumed: a companion may keep the input anyway
+                _apply_probe(net, kind, name, storage, regions, units)
+                if batch_no == 0 and kind != "saved":  # measured, not assumed: a companion may keep the input anyway
                     probe_delta[(name, storage)] = measure_memory(net, x).total_bytes - exact_total
                 approx = _flat_grad(net, params, x, y, loss_fn, batch_no)
                 sq_err, dot, cos = _error_terms(exact, approx)
@@ -114,10 +129,11 @@ def measure_menu(
     stock = measure_memory(copy.deepcopy(model), first).total_bytes
     base = exact_total
     items = recorder.items(n_batches)
-    for kind, name in [("norm", n) for n in reach["norm_storage"]] + [("act", n) for n in reach["act_storage"]]:
-        wanted = norm_storages if kind == "norm" else act_storages
+    lossy_items = [("norm", n) for n in reach["norm_storage"]] + [("act", n) for n in reach["act_storage"]]
+    for kind, name in lossy_items + [("saved", n) for n in units]:
+        wanted = {"norm": norm_storages, "act": act_storages, "saved": saved_storages}[kind]
         options = ["native", *[s for s in wanted if s != "native"]]
-        numel, elem = lossy_inputs.sizes[name]
+        numel, elem = lossy_inputs.sizes[name] if kind != "saved" else (region_bytes[name], 1)
         rows = {c: [[0.0 if o == "native" else probe_stats[(name, o)][b][i] for o in options]
                     for b in range(n_batches)]
                 for i, c in enumerate(("grad_error", "loss_change", "cosine"))}
@@ -125,13 +141,53 @@ def measure_menu(
             rows["cosine"][b][0] = 1.0
         native = numel * elem
         nbytes = [native if o == "native" else native + probe_delta[(name, o)] for o in options]
-        items.append(MenuItem(name, kind, options, nbytes, rows))
+        if kind != "saved" or len(units[name]) == 1:
+            items.append(MenuItem(name, kind, options, nbytes, rows, shielded=regions.get(name, False)))
+            continue
+        # Regions sharing a saved tensor: one unit of the unit's bytes; its first member carries the
+        # unit's measured error, the others add none (cosine 1).
+        group = len({i.group for i in items})
+        neutral = {c: [[1.0 if c == "cosine" else 0.0] * len(options) for _ in range(n_batches)] for c in rows}
+        items += [MenuItem(member, kind, options, nbytes, rows if j == 0 else neutral, group, regions[member])
+                  for j, member in enumerate(units[name])]
     # What the map controls comes off the exact-companion total: each item's exact option once.
     base -= sum(i.nbytes[i.index(i.exact_option)] for i in items if i.group is None)
-    base -= sum({i.group: i.nbytes[i.index("1")] for i in items if i.group is not None}.values())
+    base -= sum({i.group: i.nbytes[i.index(i.exact_option)] for i in items if i.group is not None}.values())
     meta = {"batches": n_batches, "batch_size": int(first.shape[0]), "kernels": kernels,
-            "storages": list(storages), "norm_storages": list(norm_storages), "act_storages": list(act_storages)}
+            "storages": list(storages), "norm_storages": list(norm_storages), "act_storages": list(act_storages),
+            "saved_storages": list(saved_storages)}
     return MenuResult(items, stock, base, meta)
+
+
+def _apply_probe(net: nn.Module, kind: str, name: str, storage: str, regions: dict[str, bool],
+                 units: dict[str, list[str]]) -> None:
+    """Compress ``net`` with one lossy option of one BatchNorm / activation item or saved-region unit."""
+    if kind == "saved":
+        compress(net, None, saved_storage=region_rule(dict.fromkeys(units[name], storage), regions))
+    else:
+        compress(net, None, **{"norm_storage" if kind == "norm" else "act_storage": {name: storage}})
+
+
+def _saved_regions(net: nn.Module, x: Tensor, items: set[str], storages: list[str],
+                   delta: dict[tuple[str, str], int]
+                   ) -> tuple[dict[str, bool], dict[str, list[str]], dict[str, int]]:
+    """The saved-region items of ``net`` (exact companions on) on input ``x``: (name -> has
+    children, first member -> the regions choosing together, first member -> their own native
+    saved bytes); fills ``delta[(first member, storage)]`` with the bytes each storage adds
+    (negative) to the whole model, measured. A unit whose every storage leaves its bytes unchanged
+    (what it saves is not floating, small, or lessmem's own) is none."""
+    exact = measure_memory(net, x)
+    children = {n: any(True for _ in m.children()) for n, m in net.named_modules()}
+    units: dict[str, list[str]] = {}
+    for members in region_groups(net, x, region_candidates(net, exact.per_layer, items)):
+        for storage in storages:
+            compress(net, None, saved_storage=region_rule(dict.fromkeys(members, storage), children))
+            delta[(members[0], storage)] = measure_memory(net, x).total_bytes - exact.total_bytes
+        if any(delta[(members[0], s)] for s in storages):
+            units[members[0]] = members
+    compress(net, None)
+    regions = {m: children[m] for members in units.values() for m in members}
+    return regions, units, {n: sum(exact.per_layer[m] for m in members) for n, members in units.items()}
 
 
 def _split(batch: Batch) -> tuple[Tensor, Tensor | None]:

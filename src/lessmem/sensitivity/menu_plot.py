@@ -1,5 +1,6 @@
 """Heat maps of a menu measurement: per item x option, the whole-gradient error (log scale), one
-panel for layer inputs (conv, token linear) and one for BatchNorm / activation inputs."""
+panel for layer inputs (conv, token linear) and one for the storages of BatchNorm / activation inputs
+and saved-tensor regions (blank where an item was not measured with an option)."""
 
 from __future__ import annotations
 
@@ -20,14 +21,15 @@ def plot_menu(menu_items: Sequence[MenuItem], path: str | Path, title: str) -> P
 
     panels = [[i for i in menu_items if i.kind in MAP_KINDS], [i for i in menu_items if i.kind not in MAP_KINDS]]
     panels = [p for p in panels if p]
-    widths = [len(p[0].options) for p in panels]
+    columns = [list(dict.fromkeys(o for i in p for o in i.options)) for p in panels]
+    widths = [len(c) for c in columns]
     height = 1.6 + 0.28 * max(len(p) for p in panels)
     fig, axes = plt.subplots(1, len(panels), figsize=(2.5 + 0.42 * sum(widths), height), squeeze=False,
                              gridspec_kw={"width_ratios": widths})
     floor = 1e-8  # exact options (error 0) drawn at the floor
-    for ax, items in zip(axes[0], panels, strict=True):
-        options = items[0].options
-        grid = np.array([[max(v, floor) for v in item.mean("grad_error")] for item in items])
+    for ax, items, options in zip(axes[0], panels, columns, strict=True):
+        grid = np.array([[max(item.mean("grad_error")[item.index(o)], floor) if o in item.options else np.nan
+                          for o in options] for item in items])
         im = ax.imshow(np.log10(grid), cmap="magma_r", vmin=math.log10(floor), vmax=0.0, aspect="auto")
         ax.set_xticks(range(len(options)), options, rotation=90, fontsize=7)
         ax.set_yticks(range(len(items)), [i.name for i in items], fontsize=7)
