@@ -19,7 +19,7 @@ import torch
 import torchvision
 
 import lessmem
-from lessmem.core.functions import pooled_input, pooling
+from lessmem.core.ops import pooling
 
 KERNELS_ENV = "LESSMEM_CPU_KERNELS"
 
@@ -57,8 +57,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    pack, unpack = Timed(pooling.pack_tensor), Timed(pooled_input.unpack_tensor)
-    pooling.pack_tensor, pooled_input.unpack_tensor = pack, unpack  # where the layers call them
+    pack, unpack = Timed(pooling.pack_tensor), Timed(pooling.unpack_tensor)
+    pooling.pack_tensor, pooling.unpack_tensor = pack, unpack  # where the layers call them
 
     torch.manual_seed(0)
     x = torch.randn(args.batch, 3, args.size, args.size)

@@ -94,7 +94,7 @@ def test_compiled_linear_tokens(storage):
 def test_pooling_and_mask_custom_ops(fused, channels_last, monkeypatch):
     """The ops the compiled graph calls: fake kernels agree with the real ones (opcheck), and the
     mask ops give ReLU / Hardtanh values and gradients, with and without the fused kernels."""
-    from lessmem.core.functions import custom_ops  # noqa: F401  (registers the ops)
+    from lessmem.core.ops import custom_ops  # noqa: F401  (registers the ops)
 
     monkeypatch.setenv("LESSMEM_CPU_KERNELS", fused)
     torch.manual_seed(0)

@@ -285,7 +285,7 @@ def test_compact_maxpool_matches_stock_on_hard_inputs(fused, monkeypatch):
     ties (integer inputs: the first maximum wins), NaN (it wins), all -inf windows, padding,
     dilation, ceil_mode, strides 1-3, rows wide enough for the vectorized path, channels-last,
     float64 and bfloat16. ``fused`` off forces the torch reference."""
-    from lessmem.core.functions.maxpool import CompactMaxPool2dFunction
+    from lessmem.core.ops.maxpool import CompactMaxPool2dFunction
 
     if not fused:
         monkeypatch.setenv("LESSMEM_CPU_KERNELS", "0")
@@ -442,9 +442,9 @@ def test_block_grid_weight_grad_equals_expanded_input(size, channels_last, swapp
     expanded block means, for strides that divide k, paddings, dilations and groups, by either
     way of forming the products (``swapped``); other geometries (odd sizes, stride 3) take the
     expanding path and must agree too."""
-    from lessmem.core.functions import conv, conv_weight_grad, pooling
-    from lessmem.core.functions.conv import conv_grads, pooled_conv_grads
-    from lessmem.core.functions.pooling import expand_blocks, pool_blocks
+    from lessmem.core.ops import conv, conv_weight_grad, pooling
+    from lessmem.core.ops.conv import conv_grads, pooled_conv_grads
+    from lessmem.core.ops.pooling import expand_blocks, pool_blocks
 
     monkeypatch.setattr(conv, "block_path_pays", lambda *args: True)  # whatever the cost model says
     monkeypatch.setattr(conv_weight_grad, "SWAPPED_CONV_MIN_BLOCKS_PER_CHANNEL", 0 if swapped else 10**9)
@@ -471,7 +471,7 @@ def test_block_grid_weight_grad_equals_expanded_input(size, channels_last, swapp
 def test_window_sums_of_zero_padded_input(pad_copy, monkeypatch) -> None:
     """sum_windows with front/back padding equals window sums of the explicitly padded
     tensor, by either route (padded copy for small tensors, edge sums for large ones)."""
-    from lessmem.core.functions import pooling
+    from lessmem.core.ops import pooling
 
     monkeypatch.setattr(pooling, "PAD_COPY_MAX_ELEMENTS", 2**30 if pad_copy else 0)
     torch.manual_seed(0)
@@ -494,10 +494,9 @@ def test_depthwise_weight_grad_kernel_equals_expanded_input() -> None:
     """The C++ depthwise weight gradient (block means expanded per channel in cache) equals the
     weight gradient on the expanded means, for strides 1-2, paddings, dilations, 1x1 to 5x5 taps,
     2x2 and 4x4 blocks, fp64 and fp32; pooled_conv_grads routes depthwise layers to it."""
-    from lessmem.core.functions.conv import conv_grads, pooled_conv_grads
-    from lessmem.core.functions.conv_cost import depthwise_kernel_takes
-    from lessmem.core.functions.pooling import expand_blocks, pool_blocks
     from lessmem.core.kernels import cpu as cpu_kernels
+    from lessmem.core.ops.conv import conv_grads, depthwise_kernel_takes, pooled_conv_grads
+    from lessmem.core.ops.pooling import expand_blocks, pool_blocks
 
     if not cpu_kernels.enabled_for(torch.zeros(1)):
         pytest.skip("no C++ compiler here: depthwise layers expand the means")

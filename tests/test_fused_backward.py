@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import lessmem
-from lessmem.core.functions import batchnorm, conv, masks
-from lessmem.core.functions.batchnorm import StoredBatchNormFunction, chunked_batch_norm_backward
-from lessmem.core.functions.conv import chunked_weight_grad, conv_grads, input_grad
+from lessmem.core.ops import batchnorm, conv, masked_activations
+from lessmem.core.ops.batchnorm import StoredBatchNormFunction, chunked_batch_norm_backward
+from lessmem.core.ops.conv import chunked_weight_grad, conv_grads, input_grad
 from lessmem.core.rounding import set_rounding_seed
 from lessmem.core.storage import unpack_tensor
 
@@ -76,7 +76,7 @@ def test_in_place_gradients_change_no_value(build, monkeypatch: pytest.MonkeyPat
     x = torch.randn(4, 3, 32, 32)
     model = lessmem.compress(build(), {"*": "int2"}, norm_storage="int4")
     fused = grads(model, x)
-    for module in (masks, batchnorm):
+    for module in (masked_activations, batchnorm):
         monkeypatch.setattr(module, "owns", lambda ctx, grad: False)
     for p in model.parameters():
         p.grad = None

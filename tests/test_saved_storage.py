@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import lessmem
-from lessmem.core.layers.dispatch import ORIGINAL_CLASS_ATTR
+from lessmem.core.ops.dispatch import ORIGINAL_CLASS_ATTR
 from lessmem.core.saved_storage import HOOK_IDS_ATTR
 
 transformers = pytest.importorskip("transformers")

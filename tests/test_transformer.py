@@ -14,8 +14,8 @@ from torchvision.models.vision_transformer import EncoderBlock
 
 import lessmem
 from lessmem.core import compressed_layers, compressible_layers
-from lessmem.core.layers.attention import CompressedMultiheadAttention
-from lessmem.core.layers.dropout import PackedDropout
+from lessmem.core.ops.attention import CompressedMultiheadAttention
+from lessmem.core.ops.dropout import PackedDropout
 from lessmem.models.vit import vit_tiny_cifar
 
 # Small sizes: tokens not divisible by 2 or 4, so the partial last group is exercised.

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 SCRIPT = textwrap.dedent("""
     import torch
     from lessmem.core.kernels import triton as triton_kernels
-    from lessmem.core.functions.masks import MaskedActivationFunction, pack_bits
+    from lessmem.core.ops.masked_activations import MaskedActivationFunction, pack_bits
     assert triton_kernels.enabled_for(torch.zeros(1))
     torch.manual_seed(0)
     for cl in (False, True):
@@ -125,8 +125,8 @@ def test_fused_cpu_kernels_match_reference(monkeypatch) -> None:
     gradients, contiguous and channels-last, ReLU and Hardtanh, in place or not."""
     import torch
 
-    from lessmem.core.functions.masks import MaskedActivationFunction, pack_bits
     from lessmem.core.kernels import cpu as cpu_kernels
+    from lessmem.core.ops.masked_activations import MaskedActivationFunction, pack_bits
 
     if not cpu_kernels.enabled_for(torch.zeros(1)):
         pytest.skip("no C++ compiler here: the torch reference is used")
@@ -155,8 +155,8 @@ def test_fused_cpu_block_pooling_equals_reference(monkeypatch) -> None:
     contiguous and channels-last, square and oblong blocks, same layout out."""
     import torch
 
-    from lessmem.core.functions.pooling import pool_blocks
     from lessmem.core.kernels import cpu as cpu_kernels
+    from lessmem.core.ops.pooling import pool_blocks
 
     if not cpu_kernels.enabled_for(torch.zeros(1)):
         pytest.skip("no C++ compiler here: the torch reference is used")

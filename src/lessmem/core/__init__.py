@@ -11,20 +11,19 @@ Other layers use the core through the names exported here.
 
 from lessmem.core.compress import compress, compressed_layers, storable_layers, uncompress
 from lessmem.core.coverage import CoverageReport, coverage
-from lessmem.core.functions.kept_input import kept_by_graph
-from lessmem.core.functions.pooling import expand_blocks, expand_tokens, pool_blocks, pool_tokens
 from lessmem.core.kernels.cpu import build_cpu_kernels
-from lessmem.core.layers.registry import pools_tokens
-from lessmem.core.mapping import compressible_layers, resolve_mapping
+from lessmem.core.mapping import compressible_layers, first_match, resolve_mapping
 from lessmem.core.memory import MemoryReport, measure_memory
-from lessmem.core.patterns import first_match
-from lessmem.core.plan import CompressionPlan
-from lessmem.core.resident_memory import FIXED_MMAP_ENV, peak_rss_growth
+from lessmem.core.ops.dispatch import kept_by_graph
+from lessmem.core.ops.pooling import expand_blocks, expand_tokens, pool_blocks, pool_tokens
+from lessmem.core.ops.registry import pools_tokens
 from lessmem.core.rounding import load_rounding_state, rounding_state, set_rounding_seed
-from lessmem.core.spec import LayerSpec, parse_spec
+from lessmem.core.spec import CompressionPlan, LayerSpec, parse_spec
 from lessmem.core.step_memory import (
+    FIXED_MMAP_ENV,
     StepMemoryReport,
     measure_step_memory,
+    peak_rss_growth,
     track_step_memory,
     training_step,
 )

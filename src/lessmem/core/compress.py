@@ -8,21 +8,19 @@ from typing import Any
 
 from torch import nn
 
-from lessmem.core.functions import custom_ops  # noqa: F401  (registers torch.ops.lessmem.*)
-from lessmem.core.layers.conv import CompressedConv2d
-from lessmem.core.layers.dispatch import ORIGINAL_CLASS_ATTR
-from lessmem.core.layers.registry import (
+from lessmem.core.mapping import first_match, resolve_mapping, unmatched
+from lessmem.core.ops import custom_ops  # noqa: F401  (registers torch.ops.lessmem.*)
+from lessmem.core.ops.conv import CompressedConv2d
+from lessmem.core.ops.dispatch import ORIGINAL_CLASS_ATTR
+from lessmem.core.ops.registry import (
     STOCK_OF,
     STORED_NORMS,
     compressed_class_of,
     exact_companion_of,
     stored_activation_of,
 )
-from lessmem.core.mapping import resolve_mapping
-from lessmem.core.patterns import first_match, unmatched
-from lessmem.core.plan import CompressionPlan
 from lessmem.core.saved_storage import attach, detach
-from lessmem.core.spec import LayerSpec
+from lessmem.core.spec import CompressionPlan, LayerSpec
 from lessmem.core.storage import check_storage
 
 

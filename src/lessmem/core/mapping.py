@@ -1,15 +1,29 @@
-"""Per-layer compression maps: ordered ``{module-name pattern: kernel}``, first match wins."""
+"""Per-layer compression maps: ordered ``{module-name pattern: kernel}``, first match wins.
+
+Module-name patterns (fnmatch, case-sensitive) and "first matching pattern wins" are the one rule
+every map in lessmem follows (``first_match``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import fnmatch
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from torch import nn
 
-from lessmem.core.layers.registry import COMPRESSED_CLASSES, compressed_class_of
-from lessmem.core.patterns import first_match, unmatched
+from lessmem.core.ops.registry import COMPRESSED_CLASSES, compressed_class_of
 from lessmem.core.spec import LayerSpec, parse_spec
+
+
+def first_match(name: str, patterns: Iterable[str]) -> str | None:
+    """The first of ``patterns`` that matches ``name``, or None."""
+    return next((p for p in patterns if fnmatch.fnmatchcase(name, p)), None)
+
+
+def unmatched(patterns: Iterable[str], names: Iterable[str]) -> list[str]:
+    """The patterns that match none of ``names`` (a typo in a map is an error, not a no-op)."""
+    names = list(names)
+    return [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
 
 
 def compressible_layers(model: nn.Module) -> dict[str, nn.Module]:

@@ -50,8 +50,8 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from lessmem.core.functions.kept_input import VIEW_OPS
 from lessmem.core.memory import byte_range, storage_key
+from lessmem.core.ops.dispatch import VIEW_OPS
 from lessmem.core.storage import (
     BFLOAT16,
     BITS,

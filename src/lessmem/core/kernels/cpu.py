@@ -16,7 +16,7 @@ pool (AVX2 paths for float32 in the AVX2 build):
   noise, rounding and packing per group of 128 in one pass, and back), bit-identical to its
   torch reference; ``round_bf16``: its stochastic bfloat16, bit-identical too.
 
-Same bit layout as ``functions.masks.pack_bits`` (element i of each group of 8, in memory order,
+Same bit layout as ``ops.masked_activations.pack_bits`` (element i of each group of 8, in memory order,
 in bit i). The C++ lives in ``csrc/``; ``cpu_build`` compiles it the first time a compressed model
 runs on CPU (about a minute, once per instruction set; prebuild with ``lessmem-kernels``).
 Without a C++ compiler, or with ``LESSMEM_CPU_KERNELS=0``, the torch reference is used (one

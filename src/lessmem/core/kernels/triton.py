@@ -1,6 +1,6 @@
 """Fused Triton kernels for the 1-bit activation masks and the b-bit storages (the GPU path).
 
-The torch reference (``functions.masks.pack_bits`` / ``unpack_bits`` + a product) makes four to
+The torch reference (``ops.masked_activations.pack_bits`` / ``unpack_bits`` + a product) makes four to
 five passes over memory per activation; these kernels make one each way:
 
 - ``clamp_and_pack(x, lo, hi)``: y = clamp(x, lo, hi) and the packed pass mask, one read of x.
@@ -10,7 +10,7 @@ five passes over memory per activation; these kernels make one each way:
   torch reference and to the C++ kernels of ``kernels.cpu``; ``round_bf16``: its stochastic
   bfloat16, bit-identical too.
 
-Bit layout is that of ``functions.masks.pack_bits`` (element i of each group of 8, in memory
+Bit layout is that of ``ops.masked_activations.pack_bits`` (element i of each group of 8, in memory
 order, in bit i), so packed masks from either path are interchangeable. Used for CUDA tensors
 when Triton is importable (``LESSMEM_TRITON=0`` turns it off); ``LESSMEM_TRITON=1`` also routes
 CPU tensors here, which only works under ``TRITON_INTERPRET=1`` (how the tests check the kernels

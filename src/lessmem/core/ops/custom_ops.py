@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lessmem.core.functions.conv import pooled_conv_grads
-from lessmem.core.functions.linear import linear_grads
-from lessmem.core.functions.masks import clamp_and_pack, masked_grad
-from lessmem.core.functions.pooling import expand_tokens, pool_blocks
 from lessmem.core.layout import format_of
+from lessmem.core.ops.conv import pooled_conv_grads
+from lessmem.core.ops.linear import linear_grads
+from lessmem.core.ops.masked_activations import clamp_and_pack, masked_grad
+from lessmem.core.ops.pooling import expand_tokens, pool_blocks
 from lessmem.core.storage import BFLOAT16, pack_tensor
 
 

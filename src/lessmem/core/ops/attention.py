@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lessmem.core.functions.linear import PooledLinearFunction
-from lessmem.core.layers.dispatch import autocast_cast, needs_saving
+from lessmem.core.ops.dispatch import autocast_cast, needs_saving
+from lessmem.core.ops.linear import PooledLinearFunction
 from lessmem.core.spec import LayerSpec
 
 

@@ -1,13 +1,22 @@
-"""BatchNorm with a lower-precision copy of its input (approximate, opt-in)."""
+"""BatchNorm with a lower-precision copy of its input (approximate, opt-in): the autograd Function,
+its chunked backward, and the swapped-in ``StoredBatchNorm2d``."""
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from lessmem.core.functions.owned_grad import grad_target, handed_to, owns
-from lessmem.core.functions.packed_chunks import sliceable, unpack_samples
-from lessmem.core.storage import Storage, TensorMeta, pack_tensor, tensor_meta, unpack_tensor
+from lessmem.core.ops.dispatch import needs_saving
+from lessmem.core.ops.owned_grad import grad_target, handed_to, owns
+from lessmem.core.storage import (
+    Storage,
+    TensorMeta,
+    pack_tensor,
+    sliceable,
+    tensor_meta,
+    unpack_samples,
+    unpack_tensor,
+)
 
 # Elements decoded at a time in the chunked backward: a few MiB, far below a full-size tensor.
 CHUNK_ELEMENTS = 2**21
@@ -90,3 +99,27 @@ def _centered(x: Tensor, mean: Tensor, packed) -> Tensor:
     if x.untyped_storage().data_ptr() == packed[0].untyped_storage().data_ptr():
         return x - mean
     return x.sub_(mean)
+
+
+class StoredBatchNorm2d(nn.BatchNorm2d):
+    """BatchNorm2d that keeps its input in ``lessmem_storage`` (bf16 / int8) — approximate."""
+
+    lessmem_storage: Storage
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (self.training and needs_saving(x, self) and self.affine and self.track_running_stats):
+            return super().forward(x)
+        self._check_input_dim(x)
+        self.num_batches_tracked.add_(1)
+        momentum = (
+            1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        )
+        x_in = x
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            x_in = x.float()  # autocast runs batch norm in fp32
+        with torch.autocast(device, enabled=False):
+            return StoredBatchNormFunction.apply(
+                x_in, self.weight, self.bias, self.running_mean, self.running_var,
+                momentum, self.eps, self.lessmem_storage,
+            )

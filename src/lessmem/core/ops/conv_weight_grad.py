@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lessmem.core.functions.pooling import Pair, sum_windows
 from lessmem.core.layout import format_of, is_channels_last
+from lessmem.core.ops.pooling import Pair, sum_windows
 
 # Blocks per input channel above which the window-sum × block-mean products run as one conv
 # weight gradient (no copy of the sums per read offset): measured on CPU, resnet18 / resnet20

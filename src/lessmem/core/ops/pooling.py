@@ -1,5 +1,6 @@
-"""Block and token means: the pooled copies that stand in for a layer's input in backward, and
-the window sums the pooled-grid weight gradient is built from."""
+"""Block and token means: the pooled copies that stand in for a layer's input in backward, how the
+pooled conv and linear Functions save and read them back, and the window sums the pooled-grid
+weight gradient is built from."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import Tensor
 
 from lessmem.core.kernels import cpu as cpu_kernels
 from lessmem.core.layout import format_of, is_channels_last, is_dense
-from lessmem.core.storage import Storage, TensorMeta, pack_tensor, tensor_meta
+from lessmem.core.storage import Storage, TensorMeta, pack_tensor, tensor_meta, unpack_tensor
 
 Pair = tuple[int, int]
 
@@ -143,3 +144,20 @@ def sum_windows(x: Tensor, m: int, dim: int, front: int = 0, back: int = 0) -> T
         else:
             edge.zero_()
     return out
+
+
+# What the pooled conv and linear Functions keep on ``ctx``, saved and read back one way.
+def save_pooled_input(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, packed: tuple[tuple[Tensor, ...], TensorMeta] | None,
+                      storage: Storage) -> None:
+    """What the pooled conv / linear functions keep: the weight and the packed pooled input
+    (None when no weight gradient is wanted) as saved tensors, shapes and flags on ctx."""
+    tensors, ctx.pooled_meta = packed if packed is not None else ((), None)
+    ctx.save_for_backward(weight, *tensors)
+    ctx.storage, ctx.x_shape, ctx.has_bias = storage, tuple(x.shape), bias is not None
+
+
+def saved_pooled_input(ctx) -> tuple[Tensor, Tensor | None, tuple[int, ...], tuple[bool, bool, bool]]:
+    """(weight, pooled input or None, input shape, which of input / weight / bias gradients)."""
+    weight, *packed = ctx.saved_tensors
+    pooled = unpack_tensor(packed, ctx.storage, ctx.pooled_meta) if packed else None
+    return weight, pooled, ctx.x_shape, (ctx.needs_input_grad[0], bool(packed), ctx.has_bias and ctx.needs_input_grad[2])

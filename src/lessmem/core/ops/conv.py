@@ -1,4 +1,7 @@
-"""conv2d that saves its input only as k×k block means, and the gradients it takes from them."""
+"""Conv2d that saves its input only as k×k block means: the autograd Function, the gradients it
+takes from them, which weight-gradient path a layer takes (the C++ depthwise kernel, the pooled
+grid of ``conv_weight_grad``, or expanding the block means: a cost model fitted on CPU), and the
+swapped-in ``CompressedConv2d``."""
 
 from __future__ import annotations
 
@@ -7,20 +10,22 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-from lessmem.core.functions.conv_cost import (
-    block_grid_fits,
-    block_path_pays,
-    depthwise_kernel_takes,
-)
-from lessmem.core.functions.conv_weight_grad import block_weight_grad
-from lessmem.core.functions.owned_grad import grad_target, handed_to
-from lessmem.core.functions.packed_chunks import sliceable, unpack_samples
-from lessmem.core.functions.pooled_input import save_pooled_input, saved_pooled_input
-from lessmem.core.functions.pooling import expand_blocks, pooled_once
 from lessmem.core.kernels import cpu as cpu_kernels
 from lessmem.core.layout import format_of
+from lessmem.core.ops.conv_weight_grad import block_weight_grad
+from lessmem.core.ops.dispatch import autocast_cast, needs_saving, warn_eager
+from lessmem.core.ops.owned_grad import grad_target, handed_to
+from lessmem.core.ops.pooling import (
+    Pair,
+    expand_blocks,
+    pooled_once,
+    save_pooled_input,
+    saved_pooled_input,
+)
+from lessmem.core.spec import LayerSpec
+from lessmem.core.storage import sliceable, unpack_samples
 
 # Output-gradient elements from which a layer with no input gradient takes its weight gradient in
 # batch slices, and the slice size: a few MiB of scratch instead of a full-size one.
@@ -150,3 +155,88 @@ def conv_grads(grad_out, x_hat, weight, has_bias, stride, padding, dilation, gro
         grad_out, x_hat, weight, [weight.shape[0]] if has_bias else None,
         stride, padding, dilation, False, [0, 0], groups, list(needs),
     )
+
+
+# The pooled-grid weight gradient saves multiply-adds in proportion to output positions × weight
+# size, and costs a few extra passes over the weight (gradient layout, tap gather): below this
+# many output positions the expanding path is faster (measured on CPU, resnet18 at 64 px).
+BLOCK_PATH_MIN_POSITIONS = 256
+
+
+def depthwise_kernel_takes(grad_out, pooled, shape, weight, groups, kernel: Pair, stride: Pair) -> bool:
+    """Depthwise convs (one input and one output channel per group) on CPU, NCHW, blocks tiling the
+    input: the C++ kernel expands each channel's means in cache and reads the output gradient once
+    (the pooled grid saves them nothing, the expanded copy costs a full pass). Strided ones only
+    from 16 outputs per row: below that its per-row loop is slower than expanding."""
+    return (groups > 1 and weight.shape[0] == groups and weight.shape[1] == 1
+            and shape[2] % kernel[0] == 0 and shape[3] % kernel[1] == 0
+            and (tuple(stride) == (1, 1) or grad_out.shape[3] >= 16)
+            and grad_out.is_contiguous() and pooled.is_contiguous() and cpu_kernels.enabled_for(grad_out))
+
+
+def block_path_pays(grad_out: Tensor, weight: Tensor, groups: int, kernel: Pair, stride: Pair) -> bool:
+    """Cost model for the pooled-grid weight gradient against expanding the means (CPU, fitted to
+    resnet18 / mobilenet_v2 layers). With m = k/stride > 1 it saves (1 - 1/m²)·ipg·taps multiply-
+    adds per output-gradient value but makes ~3 passes over the output gradient (padding, window
+    sums), where expanding makes ~2 over the input; one pass costs about 10 multiply-adds per value.
+    So 1×1 convs with few input channels per output channel expand, and depthwise convs where the
+    C++ depthwise kernel does not take them."""
+    positions = grad_out.numel() // max(1, grad_out.shape[1])  # n · output height · width
+    if positions < BLOCK_PATH_MIN_POSITIONS:
+        return False
+    m2 = (kernel[0] // stride[0]) * (kernel[1] // stride[1])
+    if m2 == 1:  # block grid = output grid: no passes over the output gradient
+        return True
+    ipg, opg, taps = weight.shape[1], weight.shape[0] // groups, weight.shape[2] * weight.shape[3]
+    return 30 - 20 * ipg / opg < (1 - 1 / m2) * ipg * taps
+
+
+def block_grid_fits(shape, kernel: Pair, stride: Pair) -> bool:
+    """The blocks tile the input and the conv stride divides the block: the pooled grid applies."""
+    return all(size % k == 0 and k % s == 0 for size, k, s in zip(shape[2:], kernel, stride, strict=True))
+
+
+# int8 storage has no compiled kernel: it runs eagerly under torch.compile (a graph break).
+_eager_conv = torch.compiler.disable(PooledConv2dFunction.apply)
+
+
+class CompressedConv2d(nn.Conv2d):
+    """Conv2d that saves its input pooled by ``lessmem_spec.kernel`` for the weight gradient."""
+
+    lessmem_spec: LayerSpec
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not needs_saving(x, self):
+            return super().forward(x)
+        padding = self.padding
+        if self.padding_mode != "zeros":
+            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            padding = (0, 0)
+        elif isinstance(padding, str):
+            x, padding = _explicit_padding(x, padding, self.kernel_size, self.dilation)
+        x, w, b = autocast_cast(x, self.weight, self.bias)
+        spec = self.lessmem_spec
+        args = (x, w, b, self.stride, padding, self.dilation, self.groups, spec.kernel, spec.storage)
+        if torch.compiler.is_compiling():
+            if spec.storage not in ("native", "bf16"):
+                warn_eager(self, f"{spec.storage} storage")
+                return _eager_conv(*args)
+            pooled = torch.ops.lessmem.pool_blocks(x.detach(), list(spec.kernel), spec.storage)
+            return torch.ops.lessmem.conv2d_keep_pooled(
+                x, pooled, w, b, list(self.stride), list(padding), list(self.dilation), self.groups,
+                list(spec.kernel),
+            )
+        with torch.autocast(x.device.type, enabled=False):
+            return PooledConv2dFunction.apply(*args)
+
+
+def _explicit_padding(x: Tensor, mode: str, kernel, dilation) -> tuple[Tensor, tuple[int, int]]:
+    """'valid'/'same' as integers; an asymmetric 'same' pads the input first, as PyTorch does."""
+    if mode == "valid":
+        return x, (0, 0)
+    total = [d * (k - 1) for k, d in zip(kernel, dilation, strict=True)]
+    left = [t // 2 for t in total]
+    if all(t % 2 == 0 for t in total):
+        return x, (left[0], left[1])
+    x = F.pad(x, [left[1], total[1] - left[1], left[0], total[0] - left[0]])
+    return x, (0, 0)

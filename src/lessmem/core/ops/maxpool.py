@@ -1,13 +1,16 @@
-"""max_pool2d that keeps the argmax position inside each window as uint8 (exact)."""
+"""MaxPool2d that keeps the argmax position inside each window as uint8 (exact): the autograd
+Function and the swapped-in ``CompactMaxPool2d``."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.modules.utils import _pair
 
-from lessmem.core.functions.owned_grad import grad_target, handed_to
 from lessmem.core.kernels import cpu as cpu_kernels
+from lessmem.core.ops.dispatch import needs_saving
+from lessmem.core.ops.owned_grad import grad_target, handed_to
 
 
 class CompactMaxPool2dFunction(torch.autograd.Function):
@@ -71,3 +74,21 @@ def _window_origins(out_hw, stride: tuple[int, int], padding: tuple[int, int], d
     rows = torch.arange(out_hw[0], device=device) * stride[0] - padding[0]
     cols = torch.arange(out_hw[1], device=device) * stride[1] - padding[1]
     return rows[:, None], cols[None, :]
+
+
+class CompactMaxPool2d(nn.MaxPool2d):
+    """MaxPool2d that keeps uint8 in-window argmax positions, not its input and int64 indices."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        kernel, dilation = _pair(self.kernel_size), _pair(self.dilation)
+        if (
+            not needs_saving(x, self)
+            or self.return_indices
+            or kernel[0] * kernel[1] > 256
+            or x.dim() != 4
+        ):
+            return super().forward(x)
+        stride = _pair(self.stride if self.stride is not None else self.kernel_size)
+        return CompactMaxPool2dFunction.apply(
+            x, kernel, stride, _pair(self.padding), dilation, self.ceil_mode
+        )

@@ -1,15 +1,17 @@
 """1-bit masks: flags packed 8 per byte, and the piecewise-linear activations that keep one
-(ReLU, ReLU6, Hardtanh) instead of a full-size tensor. Exact."""
+(ReLU, ReLU6, Hardtanh) instead of a full-size tensor: the autograd Function and the swapped-in
+``PackedReLU`` / ``PackedReLU6`` / ``PackedHardtanh``. Exact."""
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from lessmem.core.functions.owned_grad import grad_target, handed_to, owns
 from lessmem.core.kernels import cpu as cpu_kernels
 from lessmem.core.kernels import triton as triton_kernels
 from lessmem.core.layout import is_channels_last, is_dense
+from lessmem.core.ops.dispatch import needs_saving
+from lessmem.core.ops.owned_grad import grad_target, handed_to, owns
 
 # 8 flags (bytes 0/1) in one int64 word -> one byte: multiplying by this constant moves byte i's
 # bit to bit 56 + i with no carries (each product term lands on its own bit), then >> 56.
@@ -96,3 +98,36 @@ class MaskedActivationFunction(torch.autograd.Function):
         (bits,) = ctx.saved_tensors
         gx = masked_grad(grad, bits, ctx.channels_last, owns(ctx, grad))
         return handed_to(gx, ctx.grad_target), None, None, None
+
+
+def _masked_activation(x: Tensor, lo: float, hi: float | None, inplace: bool) -> Tensor:
+    if not torch.compiler.is_compiling():
+        return MaskedActivationFunction.apply(x, lo, hi, inplace)
+    # In-place changes nothing in a compiled (functionalized) graph, and the compiler cannot trace
+    # a Function that marks its input dirty. The custom op keeps the partitioner from recomputing
+    # the mask (and the BatchNorm before it) in backward.
+    if x.dim() == 4:
+        return torch.ops.lessmem.clamp_mask(x, lo, hi)[0]
+    return MaskedActivationFunction.apply(x, lo, hi, False)
+
+
+class PackedReLU(nn.ReLU):
+    """ReLU that keeps a 1-bit mask for backward instead of its full-size output."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not needs_saving(x, self):
+            return super().forward(x)
+        return _masked_activation(x, 0.0, None, self.inplace)
+
+
+class PackedHardtanh(nn.Hardtanh):
+    """Hardtanh / ReLU6 with a 1-bit mask instead of the full-size input."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not needs_saving(x, self):
+            return super().forward(x)
+        return _masked_activation(x, self.min_val, self.max_val, self.inplace)
+
+
+class PackedReLU6(nn.ReLU6, PackedHardtanh):
+    pass

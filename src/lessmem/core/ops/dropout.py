@@ -1,10 +1,13 @@
-"""Dropout with a 1-bit keep-mask (exact)."""
+"""Dropout with a 1-bit keep-mask (exact): the autograd Function and the swapped-in
+``PackedDropout``."""
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor, nn
 
-from lessmem.core.functions.masks import pack_bits, unpack_bits
+from lessmem.core.ops.dispatch import needs_saving
+from lessmem.core.ops.masked_activations import pack_bits, unpack_bits
 
 
 class PackedDropoutFunction(torch.autograd.Function):
@@ -35,3 +38,12 @@ class PackedDropoutFunction(torch.autograd.Function):
             scale = grad.new_ones(()).div_(1 - ctx.p)
             return grad * torch.where(keep, scale, grad.new_zeros(())), None
         return torch.ops.aten.native_dropout_backward(grad, keep, 1.0 / (1 - ctx.p)), None
+
+
+class PackedDropout(nn.Dropout):
+    """nn.Dropout that keeps 1 bit per element for backward (exact)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (self.training and 0.0 < self.p < 1.0 and not self.inplace and needs_saving(x, self)):
+            return super().forward(x)
+        return PackedDropoutFunction.apply(x, self.p)
