@@ -20,18 +20,21 @@ _handed: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
 def handed_to(grad: Tensor, node) -> Tensor:
     """Mark ``grad`` (fresh, read by no one else) as ``node``'s to overwrite; returns it."""
-    if node is not None and grad is not None and not torch.is_grad_enabled():
+    if node is not None and grad is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
         _handed[grad] = node
     return grad
 
 
 def owns(ctx, grad: Tensor) -> bool:
-    """Whether the backward ``ctx`` may overwrite ``grad`` in place."""
-    return (not torch.is_grad_enabled() and not grad.requires_grad and grad._base is None
+    """Whether the backward ``ctx`` may overwrite ``grad`` in place (never in a compiled graph:
+    the compiler plans its own buffers)."""
+    return (not torch.compiler.is_compiling() and not torch.is_grad_enabled() and not grad.requires_grad and grad._base is None
             and _handed.get(grad) is ctx)
 
 
 def grad_target(x: Tensor):
     """The node ``x``'s gradient goes to (None for a leaf or a view: their gradients may be read
-    elsewhere)."""
+    elsewhere; None under torch.compile, whose graphs have no per-tensor autograd nodes to hand to)."""
+    if torch.compiler.is_compiling():
+        return None
     return x.grad_fn if x._base is None else None
