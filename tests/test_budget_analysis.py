@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from lessmem.models import build_model
-from lessmem.sensitivity import measure_menu, write_map_yaml
+from lessmem.sensitivity import MenuOptions, measure_menu, write_map_yaml
 
 REPO = Path(__file__).parents[1]
 ANALYSIS = REPO / "analysis"
@@ -47,8 +47,9 @@ def test_criterion_summary_ranks_a_perfect_predictor_first(tmp_path: Path) -> No
     torch.manual_seed(0)
     model = build_model("resnet20", num_classes=10).train()
     batch = (torch.randn(4, 3, 32, 32), torch.randint(10, (4,)))
-    menu = measure_menu(model, [batch], kernels=(1, 2, 4), storages=("native", "int8", "int4"),
-                        norm_storages=("int8",), act_storages=())
+    options = MenuOptions(kernels=(1, 2, 4), storages=("native", "int8", "int4"), norm_storages=("int8",),
+                          act_storages=())
+    menu = measure_menu(model, [batch], options)
     menu.save(tmp_path / "menu")
     (tmp_path / "maps").mkdir()
     write_run(tmp_path, "stock", 0, 90.0, 1.0)
@@ -166,9 +167,10 @@ def test_proof_driver_plans_maps_that_fit_and_runs_each_search_before_its_best_m
     best maps trained after them, 8 paired seeds by default."""
     proof = importlib.import_module("proof")
     torch.manual_seed(0)
+    options = MenuOptions(kernels=(1, 2, 4), storages=("native", "int8", "int4", "int2", "int1"),
+                          norm_storages=("int8", "int4", "int2", "int1"), act_storages=())
     menu = measure_menu(build_model("resnet20", num_classes=10).train(), [(torch.randn(2, 3, 32, 32), torch.tensor([0, 1]))],
-                        kernels=(1, 2, 4), storages=("native", "int8", "int4", "int2", "int1"),
-                        norm_storages=("int8", "int4", "int2", "int1"), act_storages=())
+                        options)
     menu.save(tmp_path / "menu", heatmap=False)
     preset = proof.PRESETS["resnet20"]
     maps, configs = proof.plan(menu, preset, [0.125, 0.05], per_budget=2, criterion="grad_error")

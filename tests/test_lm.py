@@ -24,7 +24,7 @@ from lessmem.experiment.data.text import stdlib_text, text_files
 from lessmem.experiment.task import TokenCrossEntropy
 from lessmem.experiment.train import TIME_KEYS, run
 from lessmem.models import build_model
-from lessmem.sensitivity import measure_menu
+from lessmem.sensitivity import MenuOptions, measure_menu
 
 pytest.importorskip("transformers")
 
@@ -194,8 +194,7 @@ def test_sensitivity_predicts_the_pooled_lm_gradients(name: str) -> None:
     cfg = compose_config(TINY_LM)
     model = build_model(name, 256, **SMALL_LMS[name])
     x, y = fixed_batches(cfg, 1, 4)[0]
-    res = measure_menu(model.train(), [(x, y)], kernels=(1, 2), storages=("native",), norm_storages=(),
-                       act_storages=(), loss_fn=task_of(cfg).criterion)
+    res = measure_menu(model.train(), [(x, y)], MenuOptions.kernel_only((1, 2)), loss_fn=task_of(cfg).criterion)
     items = {i.name: i for i in res.items if i.kind == "linear"}
     stock, pooled = copy.deepcopy(model), copy.deepcopy(model)
     lessmem.compress(pooled, {"*": 2})

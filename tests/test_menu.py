@@ -17,6 +17,7 @@ from lessmem.core import load_rounding_state, rounding_state
 from lessmem.experiment.compression import resolve_compression
 from lessmem.sensitivity import (
     MenuItem,
+    MenuOptions,
     MenuResult,
     measure_menu,
     read_map_yaml,
@@ -29,8 +30,8 @@ STORAGES = ("native", "bf16", "int8", "int4", "bf16_rn", "int8_rn")
 
 @pytest.fixture(scope="module")
 def menu() -> MenuResult:
-    return measure_menu(tiny_cnn().train(), batches(), kernels=KERNELS, storages=STORAGES,
-                        norm_storages=("bf16", "int8", "int2"))
+    options = MenuOptions(kernels=KERNELS, storages=STORAGES, norm_storages=("bf16", "int8", "int2"))
+    return measure_menu(tiny_cnn().train(), batches(), options)
 
 
 def whole_grad(model: torch.nn.Module, batch) -> torch.Tensor:
@@ -100,7 +101,7 @@ def test_measurement_leaves_model_and_rounding_stream_alone() -> None:
     model = tiny_cnn().train()
     before = copy.deepcopy(model.state_dict())
     state = rounding_state()
-    measure_menu(model, batches(1), kernels=(1, 2), storages=("native", "int4"), norm_storages=("int4",))
+    measure_menu(model, batches(1), MenuOptions(kernels=(1, 2), storages=("native", "int4"), norm_storages=("int4",)))
     assert rounding_state() == state
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not any(type(m).__module__.startswith("lessmem") for m in model.modules())
@@ -158,7 +159,7 @@ def test_bad_requests_say_what_is_wrong(menu: MenuResult) -> None:
     with pytest.raises(ValueError, match="unknown criterion 'accuracy'"):
         menu.make_map(0.5, "accuracy")
     with pytest.raises(ValueError, match="needs kernel 1 and native storage"):
-        measure_menu(tiny_cnn(), batches(1), kernels=(2, 4))
+        MenuOptions(kernels=(2, 4))
 
 
 def test_menu_and_map_files_round_trip(menu: MenuResult, tmp_path) -> None:
@@ -215,8 +216,8 @@ def test_language_model_menu_predicts_bytes_exactly(seed: int) -> None:
                         num_attention_heads=4, num_key_value_heads=2).train()
     x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
     loss = lambda out, t: F.cross_entropy(out.reshape(-1, out.shape[-1]), t.reshape(-1))  # noqa: E731
-    menu = measure_menu(model, [(x, y)], kernels=(1, 2), storages=("native", "int8", "int4"), norm_storages=(),
-                        act_storages=("int8",), loss_fn=loss)
+    options = MenuOptions(kernels=(1, 2), storages=("native", "int8", "int4"), norm_storages=(), act_storages=("int8",))
+    menu = measure_menu(model, [(x, y)], options, loss_fn=loss)
     kinds = {i.kind for i in menu.items}
     assert kinds == {"linear", "act"}
     assert not any(i.name.endswith("o_proj") for i in menu.items)  # kept by attention anyway: nothing to choose

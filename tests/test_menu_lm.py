@@ -19,7 +19,7 @@ from test_sensitivity import batches, tiny_cnn
 import lessmem
 from lessmem.experiment import compose_config, fixed_batches, run, task_of
 from lessmem.models import build_model
-from lessmem.sensitivity import MenuResult, measure_menu
+from lessmem.sensitivity import MenuOptions, MenuResult, measure_menu
 
 pytest.importorskip("transformers")
 
@@ -47,8 +47,9 @@ def lm(request: pytest.FixtureRequest) -> tuple[str, torch.nn.Module, tuple, Men
     cfg = compose_config(list(TINY_LM))
     model = build_model(request.param, 256, **SMALL_LMS[request.param]).train()
     batch = fixed_batches(cfg, 1, 4)[0]
-    menu = measure_menu(model, [batch], kernels=(1, 2), storages=("native", "int4", "int1"),
-                        act_storages=("int4",), saved_storages=("int8", "int1"), loss_fn=task_of(cfg).criterion)
+    options = MenuOptions(kernels=(1, 2), storages=("native", "int4", "int1"), act_storages=("int4",),
+                          saved_storages=("int8", "int1"))
+    menu = measure_menu(model, [batch], options, loss_fn=task_of(cfg).criterion)
     return request.param, model, batch, menu
 
 
@@ -97,11 +98,11 @@ def test_lm_knapsack_maps_fit_and_reach_below_the_linears_alone(lm) -> None:
 
 def test_batchnorm_int1_is_on_the_menu_and_its_bytes_are_exact() -> None:
     model = tiny_cnn().train()
-    menu = measure_menu(model, batches(1), kernels=(1, 2), storages=("native", "int1"))
+    menu = measure_menu(model, batches(1), MenuOptions(kernels=(1, 2), storages=("native", "int1")))
     bn = next(i for i in menu.items if i.kind == "norm")
     assert bn.options[-1] == "int1" and bn.nbytes[-1] < bn.nbytes[bn.index("int2")]
-    without = measure_menu(model, batches(1), kernels=(1, 2), storages=("native", "int1"),
-                           norm_storages=("bf16", "int8", "int4", "int2"))
+    without = measure_menu(model, batches(1), MenuOptions(kernels=(1, 2), storages=("native", "int1"),
+                                                          norm_storages=("bf16", "int8", "int4", "int2")))
     assert menu.least_ratio() < without.least_ratio()
     choice = menu.uniform_choice("2/int1", "int1")
     x = batches(1)[0][0]

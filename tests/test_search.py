@@ -15,7 +15,7 @@ from lessmem.experiment import build_model_from_cfg, compose_config
 from lessmem.experiment.data import fixed_batches
 from lessmem.search import check_criterion, run_search
 from lessmem.search.run import check_search, open_search_study
-from lessmem.sensitivity import measure_menu
+from lessmem.sensitivity import MenuOptions, measure_menu
 
 BASE = ["model=resnet20", "dataset=synthetic", "dataset.size=64", "dataset.val_size=32",
         "logger=disabled", "device=cpu", "epochs=1", "batch_size=32", "eval_batch_size=32", "memory_batch=4"]
@@ -30,8 +30,9 @@ def search_cfg(tmp_path, *over: str):
 def menu_file(tmp_path):
     cfg = compose_config(BASE)
     torch.manual_seed(0)
-    menu = measure_menu(build_model_from_cfg(cfg).train(), fixed_batches(cfg, 1, 4), kernels=(1, 2, 4),
-                        storages=("native", "int8", "int4"), norm_storages=("int8", "int4"), act_storages=())
+    options = MenuOptions(kernels=(1, 2, 4), storages=("native", "int8", "int4"), norm_storages=("int8", "int4"),
+                          act_storages=())
+    menu = measure_menu(build_model_from_cfg(cfg).train(), fixed_batches(cfg, 1, 4), options)
     menu.save(tmp_path / "menu", heatmap=False)
     return menu, tmp_path / "menu" / "menu.json"
 

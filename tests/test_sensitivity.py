@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lessmem
-from lessmem.sensitivity import MenuResult, measure_menu
+from lessmem.sensitivity import MenuOptions, MenuResult, measure_menu
 
 
 class Block(nn.Module):
@@ -51,7 +51,7 @@ def conv_grads(model: nn.Module, batch) -> dict[str, torch.Tensor]:
 
 
 def kernel_menu(model: nn.Module, data, kernels=(1, 2, 4)) -> MenuResult:
-    return measure_menu(model, data, kernels=kernels, storages=("native",), norm_storages=(), act_storages=())
+    return measure_menu(model, data, MenuOptions.kernel_only(kernels))
 
 
 def conv_items(menu: MenuResult) -> dict:

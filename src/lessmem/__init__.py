@@ -2,7 +2,7 @@
 
 The library (torch only): ``compress``, ``uncompress``, ``measure_memory`` (saved-for-backward
 bytes), ``measure_step_memory`` (whole-step peak), ``coverage``, ``measure_menu``
-(every compression choice's bytes and gradient error; ``MenuResult.make_map`` picks a map) and
+(every compression choice a ``MenuOptions`` offers: its bytes and gradient error; ``MenuResult.make_map`` picks a map) and
 ``fit`` (a map whose whole training step fits a memory budget: ``compress(model, fit(...))``) below. The
 experiment framework (Hydra, Optuna, W&B) is built on it in ``lessmem.experiment``, ``lessmem.search``, ``lessmem.reporting`` and ``lessmem.cli``; see
 docs/architecture.md for the layers and the one direction their imports run.
@@ -22,7 +22,7 @@ from lessmem.core import (
     track_step_memory,
     uncompress,
 )
-from lessmem.sensitivity import BudgetChoice, MenuResult, fit, measure_menu
+from lessmem.sensitivity import BudgetChoice, MenuOptions, MenuResult, fit, measure_menu
 
 __version__ = "0.1.0"
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "CoverageReport",
     "LayerSpec",
     "MemoryReport",
+    "MenuOptions",
     "MenuResult",
     "StepMemoryReport",
     "compress",

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from lessmem.core import measure_memory, uncompress
 from lessmem.experiment.spec import RunSpec
-from lessmem.sensitivity import DEFAULT_CRITERION, measure_menu
+from lessmem.sensitivity import DEFAULT_CRITERION, MenuOptions, measure_menu
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,7 @@ def _menu_choice(model: nn.Module, batch: list[tuple[Tensor, Tensor]], acfg: dic
     # The menu is measured on stock layers carrying the current weights (a copy: the run's model
     # keeps its compressed layers and optimizer state).
     stock = uncompress(copy.deepcopy(model)).train()
-    menu = measure_menu(stock, batch, [int(k) for k in acfg["kernels"]], [str(s) for s in acfg["storages"]],
-                        [str(s) for s in acfg["norm_storages"]], [str(s) for s in acfg["act_storages"]], loss_fn)
+    menu = measure_menu(stock, batch, MenuOptions.from_config(acfg), loss_fn)
     criterion = str(acfg.get("criterion") or DEFAULT_CRITERION)
     choice = menu.make_map(float(acfg.get("budget")), criterion)
     adapted = {"map": choice.map, "norm_storage": choice.norm_storage, "act_storage": choice.act_storage}

@@ -15,7 +15,14 @@ from omegaconf import DictConfig, open_dict
 from tqdm.auto import tqdm
 
 from lessmem.experiment import build_model_from_cfg, fixed_batches, load_checkpoint, run, task_of
-from lessmem.sensitivity import CRITERIA, MapChoice, MenuResult, measure_menu, write_map_yaml
+from lessmem.sensitivity import (
+    CRITERIA,
+    MapChoice,
+    MenuOptions,
+    MenuResult,
+    measure_menu,
+    write_map_yaml,
+)
 
 
 def measure_config_menu(cfg: DictConfig, menu: DictConfig, sampling: DictConfig) -> MenuResult:
@@ -24,6 +31,7 @@ def measure_config_menu(cfg: DictConfig, menu: DictConfig, sampling: DictConfig)
     of ``sampling.batch_size`` from ``sampling.split``, on the weights being trained: from
     ``sampling.checkpoint``, or after ``sampling.warmup_steps`` stock training steps of ``cfg``
     (0: the seeded random init)."""
+    options = MenuOptions.from_config(menu)  # a bad storage or kernel fails before any warm-up
     torch.manual_seed(int(cfg.get("seed", 0)))
     model = build_model_from_cfg(cfg)
     weights = "random init"
@@ -37,10 +45,7 @@ def measure_config_menu(cfg: DictConfig, menu: DictConfig, sampling: DictConfig)
     model.to(device).train()
     batches = fixed_batches(cfg, int(sampling.batches), int(sampling.batch_size), str(sampling.split),
                             int(cfg.get("seed", 0)))
-    result = measure_menu(model, tqdm(batches, desc="menu", unit="batch"), [int(k) for k in menu.kernels],
-                          [str(s) for s in menu.storages], [str(s) for s in menu.norm_storages],
-                          [str(s) for s in menu.act_storages], task_of(cfg).criterion,
-                          saved_storages=[str(s) for s in menu.get("saved_storages", [])])
+    result = measure_menu(model, tqdm(batches, desc="menu", unit="batch"), options, task_of(cfg).criterion)
     result.meta.update({"model": str(cfg.model.name), "dataset": str(cfg.dataset.name),
                         "split": str(sampling.split), "weights": weights})
     return result

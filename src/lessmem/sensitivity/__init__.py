@@ -1,7 +1,7 @@
 """Layer sensitivity: what every compression choice (pooling kernel x storage of a layer's input,
 storage of a BatchNorm or activation input) costs in bytes and in gradient error, measured from a
 few stock forward/backward passes (``measure_menu``), and the maps chosen from it by a knapsack
-(``MenuResult.make_map``). Kernel-only is the menu with native storage alone. ``fit``: the map whose
+(``MenuResult.make_map``). ``MenuOptions``: what a menu offers (``kernel_only()``: native storage alone). ``fit``: the map whose
 whole training step fits a memory budget in bytes. Torch only."""
 
 from lessmem.sensitivity.budget_plan import PlanRow, plan_batches
@@ -10,7 +10,8 @@ from lessmem.sensitivity.fit import BudgetChoice, NoFit, budget_profile, fit
 from lessmem.sensitivity.io import read_map_yaml, write_map_yaml
 from lessmem.sensitivity.items import MAP_KINDS, MenuItem, option_name
 from lessmem.sensitivity.menu import CRITERIA, DEFAULT_CRITERION, MapChoice, MenuResult
-from lessmem.sensitivity.menu_measure import DEFAULT_KERNELS, LOSSY_STORAGES, measure_menu
+from lessmem.sensitivity.menu_measure import measure_menu
+from lessmem.sensitivity.menu_options import DEFAULT_KERNELS, LOSSY_STORAGES, MenuOptions
 
 __all__ = [
     "BudgetChoice",
@@ -28,6 +29,7 @@ __all__ = [
     "MAP_KINDS",
     "MapChoice",
     "MenuItem",
+    "MenuOptions",
     "MenuResult",
     "measure_menu",
     "option_name",

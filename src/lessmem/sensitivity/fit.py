@@ -20,7 +20,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +38,15 @@ from lessmem.core import (
 from lessmem.sensitivity.byte_sizes import format_bytes, parse_bytes
 from lessmem.sensitivity.menu import DEFAULT_CRITERION, MapChoice, MenuResult
 from lessmem.sensitivity.menu_measure import measure_menu
+from lessmem.sensitivity.menu_options import MenuOptions
 from lessmem.sensitivity.peak_model import PeakModel
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[Tensor, Tensor], Tensor]
 # The menu fit() measures: every option a budget search needs, at a cost of a few training steps.
-FIT_KERNELS = (1, 2, 4)
-FIT_STORAGES = ("native", "bf16", "int8", "int4", "int2")
-FIT_LOSSY = ("int8", "int2")  # BatchNorm / GELU / SiLU inputs: one probe pass each
+# BatchNorm / GELU / SiLU inputs: int8 and int2, one probe pass each.
+FIT_MENU = MenuOptions(kernels=(1, 2, 4), storages=("native", "bf16", "int8", "int4", "int2"),
+                       norm_storages=("int8", "int2"), act_storages=("int8", "int2"))
 MENU_BATCH = 8  # samples the menu is measured on; its bytes are scaled to the whole batch
 STATIC_CATEGORIES = ("parameters", "gradients", "optimizer_state")
 CLOSE_ENOUGH = 0.9  # a verified map at or above this fraction of the budget ends the search
@@ -198,8 +199,7 @@ def _measure_floor(profile: BudgetProfile, step: _Stepper, batch: tuple[Tensor, 
     """The menu (on a sub-batch, bytes scaled up), stock's and the smallest map's points."""
     n = min(MENU_BATCH, len(batch[0]))
     net = copy.deepcopy(step.model).train()
-    menu = measure_menu(net, [(batch[0][:n], batch[1][:n])], kernels=FIT_KERNELS, storages=FIT_STORAGES,
-                        norm_storages=FIT_LOSSY, act_storages=FIT_LOSSY, loss_fn=loss_fn)
+    menu = measure_menu(net, [(batch[0][:n], batch[1][:n])], FIT_MENU, loss_fn)
     profile.menu = scaled_menu(menu, len(batch[0]) / n)
     profile.peaks.add(profile.menu.stock_bytes, profile.stock_peak)
     profile.floor_map = smallest_map(profile.menu, criterion)
@@ -266,7 +266,7 @@ class _Stepper:
                   "batch": [(list(t.shape), str(t.dtype)) for t in self.batch], "device": str(self.batch[0].device),
                   "optimizer": opt, "loss": getattr(self.loss_fn, "__qualname__", type(self.loss_fn).__name__),
                   "amp": str(self.amp_dtype), "torch": torch.__version__,
-                  "menu": [FIT_KERNELS, FIT_STORAGES, FIT_LOSSY, MENU_BATCH]}
+                  "menu": [asdict(FIT_MENU), MENU_BATCH]}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 

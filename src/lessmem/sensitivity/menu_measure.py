@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lessmem.core import (
-    STORAGES,
-    UNBIASED_STORAGES,
     compress,
     kept_by_graph,
     load_rounding_state,
@@ -38,6 +36,7 @@ from lessmem.sensitivity.geometry import (
 )
 from lessmem.sensitivity.items import MenuItem, option_name
 from lessmem.sensitivity.menu import MenuResult
+from lessmem.sensitivity.menu_options import DEFAULT_MENU, MenuOptions
 from lessmem.sensitivity.regions import region_candidates, region_groups, region_rule
 from lessmem.sensitivity.weight_grad import (
     conv_weight_grad,
@@ -46,51 +45,33 @@ from lessmem.sensitivity.weight_grad import (
     pooled_weight_grad,
 )
 
-DEFAULT_KERNELS = (1, 2, 4, 8)
-# Every lossy width for BatchNorm / activation / saved-region items (the knapsack decides; 1-bit
-# norm inputs cost the most gradient error, and the criterion says so).
-LOSSY_STORAGES = ("bf16", "int8", "int4", "int2", "int1")
 Batch = Tensor | tuple[Tensor, Tensor] | list[Tensor]
 
 
 def measure_menu(
     model: nn.Module,
     batches: Iterable[Batch],
-    kernels: Sequence[int] = DEFAULT_KERNELS,
-    storages: Sequence[str] = UNBIASED_STORAGES,
-    norm_storages: Sequence[str] = LOSSY_STORAGES,
-    act_storages: Sequence[str] = LOSSY_STORAGES,
+    menu: MenuOptions = DEFAULT_MENU,
     loss_fn: Callable[[Tensor, Tensor | None], Tensor] | None = None,
-    *,
-    saved_storages: Sequence[str] = (),
 ) -> MenuResult:
-    """Every menu option's bytes and gradient error on ``batches`` (``images`` or
+    """Every option of ``menu``: its bytes and gradient error on ``batches`` (``images`` or
     ``(images, labels)``), for ``model`` in its current mode; ``model`` itself is not changed.
-    ``storages=("native",)`` with no norm / activation storages is the kernel-only menu (pooling
-    alone). loss_fn(output, targets): cross-entropy by default (mean square of the output without
-    targets); pass the training loss for other outputs (a language model's next-token loss).
-    saved_storages: the storages of the saved-tensor regions (``lessmem.sensitivity.regions``):
-    every module, other than an item, whose own forward saves floating tensors; empty (the
-    default, as before regions were items): none. ``menu=full`` asks for every lossy width."""
-    kernels = sorted({int(k) for k in kernels})
-    if not kernels or kernels[0] != 1 or "native" not in storages:
-        raise ValueError(f"the menu needs kernel 1 and native storage (the exact option) among positive "
-                         f"kernels, got kernels {kernels}, storages {list(storages)}")
-    for s in (*storages, *norm_storages, *act_storages, *saved_storages):
-        if s not in STORAGES:
-            raise ValueError(f"unknown storage {s!r}; choose from {', '.join(STORAGES)}")
+    ``MenuOptions.kernel_only()`` is the kernel-only menu (pooling alone). loss_fn(output,
+    targets): cross-entropy by default (mean square of the output without targets); pass the
+    training loss for other outputs (a language model's next-token loss)."""
+    kernels = sorted(set(menu.kernels))
     loss_fn = loss_fn or _default_loss
     net = compress(copy.deepcopy(model), None)  # exact companions: the bytes a map starts from
     layers = sensitivity_layers(net)
     reach = storable_layers(net)
-    probes = [("norm", n, s) for n in reach["norm_storage"] for s in norm_storages if s != "native"]
-    probes += [("act", n, s) for n in reach["act_storage"] for s in act_storages if s != "native"]
-    lossy_saved = [s for s in saved_storages if s != "native"]
+    probes = [("norm", n, s) for n in reach["norm_storage"] for s in menu.norm_storages if s != "native"]
+    probes += [("act", n, s) for n in reach["act_storage"] for s in menu.act_storages if s != "native"]
+    lossy_saved = [s for s in menu.saved_storages if s != "native"]
     regions: dict[str, bool] = {}  # saved-region item -> whether its module has children (shielded)
     units: dict[str, list[str]] = {}  # regions choosing together, by their first member
     region_bytes: dict[str, int] = {}  # per unit
     probe_delta: dict[tuple[str, str], int] = {}  # saved bytes an option adds to the exact model
-    conv_options = [(k, s) for k in kernels for s in storages]
+    conv_options = [(k, s) for k in kernels for s in menu.storages]
     recorder = _MenuRecorder(layers, conv_options)
     lossy_inputs = _InputSizes(net, [*reach["norm_storage"], *reach["act_storage"]])
     params = [p for p in net.parameters() if p.requires_grad]
@@ -131,7 +112,7 @@ def measure_menu(
     items = recorder.items(n_batches)
     lossy_items = [("norm", n) for n in reach["norm_storage"]] + [("act", n) for n in reach["act_storage"]]
     for kind, name in lossy_items + [("saved", n) for n in units]:
-        wanted = {"norm": norm_storages, "act": act_storages, "saved": saved_storages}[kind]
+        wanted = {"norm": menu.norm_storages, "act": menu.act_storages, "saved": menu.saved_storages}[kind]
         options = ["native", *[s for s in wanted if s != "native"]]
         numel, elem = lossy_inputs.sizes[name] if kind != "saved" else (region_bytes[name], 1)
         rows = {c: [[0.0 if o == "native" else probe_stats[(name, o)][b][i] for o in options]
@@ -154,8 +135,8 @@ def measure_menu(
     base -= sum(i.nbytes[i.index(i.exact_option)] for i in items if i.group is None)
     base -= sum({i.group: i.nbytes[i.index(i.exact_option)] for i in items if i.group is not None}.values())
     meta = {"batches": n_batches, "batch_size": int(first.shape[0]), "kernels": kernels,
-            "storages": list(storages), "norm_storages": list(norm_storages), "act_storages": list(act_storages),
-            "saved_storages": list(saved_storages)}
+            "storages": list(menu.storages), "norm_storages": list(menu.norm_storages),
+            "act_storages": list(menu.act_storages), "saved_storages": list(menu.saved_storages)}
     return MenuResult(items, stock, base, meta)
 
 

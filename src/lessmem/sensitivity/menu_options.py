@@ -1,0 +1,54 @@
+"""What a menu offers (``MenuOptions``): the pooling kernels and storages of conv / token-linear
+inputs, the lossy storages of BatchNorm and GELU / SiLU inputs and of saved-tensor regions."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from lessmem.core import STORAGES, UNBIASED_STORAGES
+
+DEFAULT_KERNELS = (1, 2, 4, 8)
+# Every lossy width for BatchNorm / activation / saved-region items (the knapsack decides; 1-bit
+# norm inputs cost the most gradient error, and the criterion says so).
+LOSSY_STORAGES = ("bf16", "int8", "int4", "int2", "int1")
+
+
+@dataclass(frozen=True)
+class MenuOptions:
+    """kernels x storages: every conv / token-linear option (kernel 1 with native storage is the
+    exact one); norm_storages / act_storages / saved_storages: the lossy storages probed for each
+    BatchNorm input, GELU / SiLU input and saved-tensor region (``lessmem.sensitivity.regions``:
+    a module, other than an item, whose own forward saves floating tensors); empty: none."""
+
+    kernels: tuple[int, ...] = DEFAULT_KERNELS
+    storages: tuple[str, ...] = UNBIASED_STORAGES
+    norm_storages: tuple[str, ...] = LOSSY_STORAGES
+    act_storages: tuple[str, ...] = LOSSY_STORAGES
+    saved_storages: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        kernels = sorted(set(self.kernels))
+        if not kernels or kernels[0] != 1 or "native" not in self.storages:
+            raise ValueError(f"the menu needs kernel 1 and native storage (the exact option) among positive "
+                             f"kernels, got kernels {kernels}, storages {list(self.storages)}")
+        for s in (*self.storages, *self.norm_storages, *self.act_storages, *self.saved_storages):
+            if s not in STORAGES:
+                raise ValueError(f"unknown storage {s!r}; choose from {', '.join(STORAGES)}")
+
+    @classmethod
+    def kernel_only(cls, kernels: tuple[int, ...] = DEFAULT_KERNELS) -> MenuOptions:
+        """Pooling alone: native storage, no BatchNorm / activation / saved-region options."""
+        return cls(kernels, ("native",), (), (), ())
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> MenuOptions:
+        """The options a config node lists (the ``menu`` group, ``adaptive``); other keys are
+        ignored and a field it leaves out keeps its default."""
+        given = {f.name: tuple(int(k) if f.name == "kernels" else str(k) for k in cfg[f.name])
+                 for f in fields(cls) if f.name in cfg}
+        return cls(**given)
+
+
+DEFAULT_MENU = MenuOptions()
