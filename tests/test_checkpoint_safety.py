@@ -56,13 +56,12 @@ def test_load_checkpoint_refuses_code_running_checkpoint(tmp_path: Path) -> None
     assert not marker.exists()
 
 
-def test_sensitivity_refuses_code_running_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_sensitivity_refuses_code_running_checkpoint(tmp_path: Path, run_cli) -> None:
     path, marker = code_running_checkpoint(tmp_path)
-    argv = [*SENSITIVITY_BASE, f"sensitivity.checkpoint={path}", f"sensitivity.out={tmp_path / 'o'}"]
-    assert sensitivity.main(argv) == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("lessmem-sensitivity: error: checkpoint"), lines
-    assert "could run code" in lines[0]
+    result = run_cli(sensitivity.main, "lessmem-sensitivity", *SENSITIVITY_BASE, f"sensitivity.checkpoint={path}",
+                     f"sensitivity.out={tmp_path / 'o'}")
+    assert result.is_one_error("lessmem-sensitivity", "checkpoint"), result.stderr
+    assert "could run code" in result.stderr[0]
     assert not marker.exists()
 
 
