@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import lessmem
-from lessmem.core.functions import batchnorm, conv, masks
+from lessmem.core.functions import batchnorm, conv, masks, recompute
 from lessmem.core.functions.batchnorm import StoredBatchNormFunction, chunked_batch_norm_backward
 from lessmem.core.functions.conv import chunked_weight_grad, conv_grads, input_grad
 from lessmem.core.rounding import set_rounding_seed
@@ -184,3 +184,70 @@ def test_kernel_one_conv_keeps_no_full_size_decoded_input(monkeypatch: pytest.Mo
     whole = backward_peak()
     assert sliced[1] == 0 and whole[1] == 1  # the check sees the copy where there is one
     assert sliced[0] < whole[0]
+
+
+def small_llama(layers: int = 1) -> nn.Module:
+    from lessmem.models import build_model
+
+    torch.manual_seed(0)
+    return build_model("tiny_llama", num_classes=64, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                       num_attention_heads=2, num_key_value_heads=2).train()
+
+
+def llama_grads(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    out = model(ids)
+    nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), ids.reshape(-1)).backward()
+    return out, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("storage", "saved"), [("int8_rn", "native"), ("int8_rn", "int8_rn"), ("bf16_rn", "bf16_rn")])
+def test_sliced_gated_mlp_matches_the_module_path(storage: str, saved: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama's MLP run as one token-sliced Function against the three projections and the
+    recomputed product (deterministic storages: the same codes both ways)."""
+    monkeypatch.setattr(recompute, "SLICE_ELEMENTS", 32 * 256)  # 32 token rows a slice
+    ids = torch.randint(0, 64, (3, 40))
+
+    def run(sliced: bool):
+        model = lessmem.compress(small_llama(), {"*": storage}, saved_storage=saved)
+        mlp = model.lm.model.layers[0].mlp
+        if not sliced:  # a hook on a projection keeps the module path
+            mlp.gate_proj.register_forward_hook(lambda *args: None)
+        assert mlp._sliceable(torch.zeros(3, 40, 128, requires_grad=True)) == sliced
+        return llama_grads(model, ids)
+
+    (out, grads), (ref_out, ref_grads) = run(True), run(False)
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)  # sums in slices
+
+
+def test_sliced_gated_mlp_holds_no_full_size_intermediate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No tensor of (all tokens) x intermediate width is made in the MLP's forward or backward:
+    the largest is the input gradient (tokens x hidden), or a weight gradient."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.setattr(recompute, "SLICE_ELEMENTS", 32 * 256)
+    tokens, hidden, width = 4 * 64, 128, 256
+
+    class Largest(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    def largest(model: nn.Module) -> int:
+        x = torch.randn(4, 64, hidden, requires_grad=True)
+        with Largest() as mode:
+            model.lm.model.layers[0].mlp(x).sum().backward()
+        return mode.numel
+
+    model = lessmem.compress(small_llama(), {"*": "int8"}, saved_storage="int8", act_storage="int8")
+    assert largest(model) == max(tokens * hidden, hidden * width)
+    model.lm.model.layers[0].mlp.gate_proj.register_forward_hook(lambda *args: None)
+    assert largest(model) == tokens * width  # the check sees the module path's full-size tensors

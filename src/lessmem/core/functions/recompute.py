@@ -8,7 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+from lessmem.core.storage import pack_tensor, tensor_meta, unpack_tensor
 
 
 class RecomputedFunction(torch.autograd.Function):
@@ -32,3 +35,94 @@ class RecomputedFunction(torch.autograd.Function):
             out = ctx.fn(*inputs)
         grads = iter(torch.autograd.grad(out, [t for t in inputs if t.requires_grad], grad))
         return None, *(next(grads) if t.requires_grad else None for t in inputs)
+
+
+# Elements of the widest full-size tensor one row slice of the sliced gated MLP holds.
+SLICE_ELEMENTS = 2**16
+
+
+class SlicedGatedMLPFunction(torch.autograd.Function):
+    """``down(gated(gate(x), up(x)))`` for token linears without token pooling, run a slice of
+    token rows at a time, forward and backward: no full-size gate(x), up(x) or down input exists.
+    Per slice, forward keeps x, gate(x), up(x) and the down input packed (``storages``: x's,
+    gate / up's, the down input's); backward decodes them one slice at a time, reruns ``gated``
+    under autograd on it, writes the slice's input gradient and adds the slice's weight
+    gradients. Each output and input-gradient row is what the unsliced ops compute on the same
+    (decoded) values, up to the matrix products' blocking; the weight gradients are sums of slice
+    partial sums (another float summation order)."""
+
+    @staticmethod
+    def forward(ctx, gated: Callable[[Tensor, Tensor], Tensor], x: Tensor, wg: Tensor, bg: Tensor | None,
+                wu: Tensor, bu: Tensor | None, wd: Tensor, bd: Tensor | None, storages: tuple[str, str, str]):
+        x_storage, saved_storage, h_storage = storages
+        needs = ctx.needs_input_grad
+        x2 = x.reshape(-1, x.shape[-1])
+        n = x2.shape[0]
+        step = max(1, SLICE_ELEMENTS // max(x2.shape[1], wg.shape[0], wd.shape[0]))
+        out = x2.new_empty(n, wd.shape[0])
+        saved, metas = [], []
+        for r0 in range(0, n, step):
+            x_rows = x2[r0:r0 + step]
+            gate, up = F.linear(x_rows, wg, bg), F.linear(x_rows, wu, bu)
+            h = gated(gate, up)
+            out[r0:r0 + step] = F.linear(h, wd, bd)
+            parts = (pack_tensor(x_rows.detach(), x_storage) if needs[2] or needs[4] else (),
+                     pack_tensor(gate, saved_storage), pack_tensor(up, saved_storage),
+                     pack_tensor(h, h_storage) if needs[6] else ())
+            saved.append(parts)
+            metas.append(tuple(tensor_meta(t) for t in (x_rows, gate, up, h)))
+        ctx.save_for_backward(wg, wu, wd, *(t for parts in saved for p in parts for t in p))
+        ctx.counts = [[len(p) for p in parts] for parts in saved]
+        ctx.metas, ctx.step, ctx.gated, ctx.storages = metas, step, gated, storages
+        return out.view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        wg, wu, wd, *flat = ctx.saved_tensors
+        x_storage, saved_storage, h_storage = ctx.storages
+        stores = (x_storage, saved_storage, saved_storage, h_storage)
+        needs = ctx.needs_input_grad
+        flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
+        dx = flat_grad.new_empty(flat_grad.shape[0], wg.shape[1]) if needs[1] else None
+        gw: list[Tensor | None] = [None, None, None]  # gate, up, down
+        gb: list[Tensor | None] = [None, None, None]
+        start = 0
+        for j, (counts, metas) in enumerate(zip(ctx.counts, ctx.metas, strict=True)):
+            parts = []
+            for count in counts:
+                parts.append(flat[start:start + count])
+                start += count
+
+            def decoded(i: int) -> Tensor:
+                return unpack_tensor(parts[i], stores[i], metas[i])  # noqa: B023 (used in this iteration)
+
+            r0 = j * ctx.step
+            g = flat_grad[r0:r0 + ctx.step]
+            if needs[6]:
+                gw[2] = _add(gw[2], g.t() @ decoded(3))
+            with torch.enable_grad():
+                gate = decoded(1).detach().requires_grad_()
+                up = decoded(2).detach().requires_grad_()
+                out = ctx.gated(gate, up)
+            dgate, dup = torch.autograd.grad(out, (gate, up), g @ wd)
+            del out, gate, up
+            if dx is not None:
+                torch.mm(dgate, wg, out=dx[r0:r0 + ctx.step])
+                dx[r0:r0 + ctx.step] += dup @ wu
+            if needs[2] or needs[4]:
+                x_rows = decoded(0)
+                if needs[2]:
+                    gw[0] = _add(gw[0], dgate.t() @ x_rows)
+                if needs[4]:
+                    gw[1] = _add(gw[1], dup.t() @ x_rows)
+            for i, d, wanted in ((0, dgate, needs[3]), (1, dup, needs[5])):
+                if wanted:
+                    gb[i] = _add(gb[i], d.sum(0))
+        if needs[7]:
+            gb[2] = flat_grad.sum(0)
+        dx = dx.view(*grad_out.shape[:-1], -1) if dx is not None else None
+        return None, dx, gw[0], gb[0], gw[1], gb[1], gw[2], gb[2], None
+
+
+def _add(total: Tensor | None, part: Tensor) -> Tensor:
+    return part if total is None else total.add_(part)

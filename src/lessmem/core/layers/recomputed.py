@@ -10,14 +10,21 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from lessmem.core.functions.recompute import RecomputedFunction
+from lessmem.core.functions.recompute import RecomputedFunction, SlicedGatedMLPFunction
 from lessmem.core.layers.dispatch import ORIGINAL_CLASS_ATTR, needs_saving
+from lessmem.core.layers.linear import CompressedLinear, keeps_stock_path
+from lessmem.core.saved_storage import HOOK_IDS_ATTR, RULE_ATTR
 
 
 def _recomputed(fn: Callable[..., Tensor], *inputs: Tensor) -> Tensor:
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs) or torch.compiler.is_compiling():
         return fn(*inputs)  # nothing saved, or the compiler chooses what to keep
     return RecomputedFunction.apply(fn, *inputs)
+
+
+def _global_module_hooks() -> bool:
+    module = nn.modules.module
+    return bool(module._global_forward_pre_hooks or module._global_forward_hooks)
 
 
 class RecomputedActivation(nn.Module):
@@ -44,4 +51,25 @@ class RecomputedGatedMLP(nn.Module):
         return self.act_fn(gate) * up
 
     def forward(self, x: Tensor) -> Tensor:
+        if self._sliceable(x):
+            storages = (self.gate_proj.lessmem_spec.storage, self.__dict__.get(RULE_ATTR, ("native",))[0],
+                        self.down_proj.lessmem_spec.storage)
+            return SlicedGatedMLPFunction.apply(
+                self._gated, x, self.gate_proj.weight, self.gate_proj.bias, self.up_proj.weight,
+                self.up_proj.bias, self.down_proj.weight, self.down_proj.bias, storages)
         return self.down_proj(_recomputed(self._gated, self.gate_proj(x), self.up_proj(x)))
+
+    def _sliceable(self, x: Tensor) -> bool:
+        """Whether the whole MLP may run as one ``SlicedGatedMLPFunction`` (backward in token
+        slices): three token linears without token pooling, gate and up keeping x alike, in
+        eager mode without autocast, and no hooks on the projections but saved_storage's (the
+        projections' own forwards do not run)."""
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+        if not all(isinstance(p, CompressedLinear) and p.lessmem_spec.kernel[0] == 1 for p in projections):
+            return False
+        if self.gate_proj.lessmem_spec.storage != self.up_proj.lessmem_spec.storage:
+            return False
+        if torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type) or keeps_stock_path(self.gate_proj, x):
+            return False
+        return all(set(p._forward_pre_hooks) | set(p._forward_hooks) <= set(p.__dict__.get(HOOK_IDS_ATTR, ()))
+                   for p in projections) and not _global_module_hooks()
