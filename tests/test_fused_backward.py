@@ -13,7 +13,7 @@ from lessmem.core.functions import batchnorm, conv, masks, recompute
 from lessmem.core.functions.batchnorm import StoredBatchNormFunction, chunked_batch_norm_backward
 from lessmem.core.functions.conv import chunked_weight_grad, conv_grads, input_grad
 from lessmem.core.rounding import set_rounding_seed
-from lessmem.core.storage import unpack_tensor
+from lessmem.core.storage import tensor_meta, unpack_tensor
 
 
 @pytest.mark.parametrize("storage", ["native", "bf16", "int8", "int4", "int2"])
@@ -251,3 +251,56 @@ def test_sliced_gated_mlp_holds_no_full_size_intermediate(monkeypatch: pytest.Mo
     assert largest(model) == max(tokens * hidden, hidden * width)
     model.lm.model.layers[0].mlp.gate_proj.register_forward_hook(lambda *args: None)
     assert largest(model) == tokens * width  # the check sees the module path's full-size tensors
+
+
+@pytest.mark.parametrize("storage", ["native", "int8_rn"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sliced_attention_matches_sdpa_on_the_decoded_inputs(storage: str, is_causal: bool,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """q, k, v packed a batch slice at a time and the attention rerun per slice in backward:
+    the output is SDPA's, the gradients SDPA's own on the decoded q, k, v (k, v strided views of
+    one projection, as HF's are)."""
+    from lessmem.core.functions.recompute import SlicedAttentionFunction
+    from lessmem.core.storage import pack_tensor
+
+    monkeypatch.setattr(recompute, "SLICE_ELEMENTS", 2 * 2 * 16 * 32)  # two samples a slice
+    torch.manual_seed(0)
+    q = torch.randn(5, 2, 16, 32, requires_grad=True)
+    kv = torch.randn(5, 16, 2, 2, 32, requires_grad=True)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    grad = torch.randn(5, 2, 16, 32)
+    out = SlicedAttentionFunction.apply(q, k, v, is_causal, None, storage)
+    got = torch.autograd.grad(out, (q, kv), grad)
+    decoded = [unpack_tensor(pack_tensor(t.detach(), storage), storage, tensor_meta(t)) if storage != "native"
+               else t for t in (q, k, v)]
+    ref_q = decoded[0].detach().requires_grad_()
+    ref_kv = torch.stack([decoded[1].transpose(1, 2), decoded[2].transpose(1, 2)], 2).detach().requires_grad_()
+    ref_out = nn.functional.scaled_dot_product_attention(
+        ref_q, ref_kv[:, :, 0].transpose(1, 2), ref_kv[:, :, 1].transpose(1, 2), is_causal=is_causal)
+    expected = torch.autograd.grad(ref_out, (ref_q, ref_kv), grad)
+    torch.testing.assert_close(out, nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal),
+                               rtol=0, atol=0)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+
+
+def test_llama_attention_takes_the_sliced_path_with_lossy_saved_tensors() -> None:
+    """The attention's q, k, v are kept by ``SlicedAttentionFunction`` where saved tensors are
+    lossy, and by SDPA (stock) where they are native."""
+    ids = torch.randint(0, 64, (2, 16))
+
+    def attention_nodes(saved: str) -> set[str]:
+        model = lessmem.compress(small_llama(), {"*": "int8"}, saved_storage=saved)
+        out = model(ids)
+        names, stack, seen = set(), [out.grad_fn], set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            names.add(type(node).__name__)
+            stack.extend(n for n, _ in node.next_functions)
+        return {n for n in names if "Attention" in n}
+
+    assert attention_nodes("int8") == {"SlicedAttentionFunctionBackward"}
+    assert attention_nodes("native") == {"ScaledDotProductFlashAttentionForCpuBackward0"}

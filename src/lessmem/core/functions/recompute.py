@@ -126,3 +126,48 @@ class SlicedGatedMLPFunction(torch.autograd.Function):
 
 def _add(total: Tensor | None, part: Tensor) -> Tensor:
     return part if total is None else total.add_(part)
+
+
+class SlicedAttentionFunction(torch.autograd.Function):
+    """``F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=...)`` (no mask, no dropout)
+    keeping q, k and v only, packed in ``storage`` a batch slice at a time; backward decodes one
+    slice, reruns the attention on it under autograd and writes that slice's gradients. Neither
+    the output nor a full-size decoded q / k / v is kept or made in backward; forward is the one
+    call, each gradient slice is the attention's own backward on the same decoded values."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None, storage: str):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+        step = max(1, SLICE_ELEMENTS // max(t[0].numel() for t in (q, k, v)))
+        saved, metas = [], []
+        for b0 in range(0, q.shape[0], step):
+            for t in (q, k, v):
+                part = t[b0:b0 + step].detach()
+                saved.append(pack_tensor(part, storage))
+                metas.append(tensor_meta(part))
+        ctx.save_for_backward(*(t for p in saved for t in p))
+        ctx.counts, ctx.metas, ctx.step = [len(p) for p in saved], metas, step
+        ctx.is_causal, ctx.scale, ctx.storage = is_causal, scale, storage
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        flat = ctx.saved_tensors
+        n = grad_out.shape[0]
+        grads = [grad_out.new_empty((n, *ctx.metas[i].shape[1:])) for i in range(3)]
+        start = 0
+        for j in range(len(ctx.metas) // 3):
+            decoded = []
+            for i in range(3):
+                count = ctx.counts[3 * j + i]
+                values = unpack_tensor(flat[start:start + count], ctx.storage, ctx.metas[3 * j + i])
+                decoded.append(values.detach().requires_grad_())
+                start += count
+            with torch.enable_grad():
+                out = F.scaled_dot_product_attention(*decoded, is_causal=ctx.is_causal, scale=ctx.scale)
+            b0 = j * ctx.step
+            parts = torch.autograd.grad(out, decoded, grad_out[b0:b0 + ctx.step])
+            del out, decoded
+            for g, part in zip(grads, parts, strict=True):
+                g[b0:b0 + ctx.step] = part
+        return *grads, None, None, None

@@ -8,9 +8,15 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
-from lessmem.core.functions.recompute import RecomputedFunction, SlicedGatedMLPFunction
+from lessmem.core.functions.recompute import (
+    RecomputedFunction,
+    SlicedAttentionFunction,
+    SlicedGatedMLPFunction,
+)
 from lessmem.core.layers.dispatch import ORIGINAL_CLASS_ATTR, needs_saving
 from lessmem.core.layers.linear import CompressedLinear, keeps_stock_path
 from lessmem.core.saved_storage import HOOK_IDS_ATTR, RULE_ATTR
@@ -73,3 +79,40 @@ class RecomputedGatedMLP(nn.Module):
             return False
         return all(set(p._forward_pre_hooks) | set(p._forward_hooks) <= set(p.__dict__.get(HOOK_IDS_ATTR, ()))
                    for p in projections) and not _global_module_hooks()
+
+
+class SlicedSDPAttention(nn.Module):
+    """An HF attention module (Llama's) whose saved tensors are lossy (``saved_storage``): its own
+    forward runs, with its ``F.scaled_dot_product_attention`` call (no mask, no dropout) taken by
+    ``SlicedAttentionFunction``, which keeps q, k, v packed and no output, and decodes them a
+    batch slice at a time in backward. With native saved tensors the stock call runs."""
+
+    def forward(self, *args, **kwargs):
+        stock = partial(self.__dict__[ORIGINAL_CLASS_ATTR].forward, self)
+        storage = self.__dict__.get(RULE_ATTR, ("native",))[0]
+        if storage == "native" or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return stock(*args, **kwargs)
+        with _SlicedAttention(storage):
+            return stock(*args, **kwargs)
+
+
+class _SlicedAttention(TorchFunctionMode):
+    """Routes the supported ``F.scaled_dot_product_attention`` calls to ``SlicedAttentionFunction``."""
+
+    def __init__(self, storage: str) -> None:
+        super().__init__()
+        self.storage = storage
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k, v = (*args, *(kwargs.get(n) for n in ("query", "key", "value")))[:3]
+            options = {n: kwargs.get(n, default) for n, default in
+                       (("attn_mask", None), ("dropout_p", 0.0), ("enable_gqa", False))}
+            if (len(args) == 3 and options == {"attn_mask": None, "dropout_p": 0.0, "enable_gqa": False}
+                    and set(kwargs) <= {"attn_mask", "dropout_p", "enable_gqa", "is_causal", "scale"}
+                    and q.dim() == 4 and q.shape[0] == k.shape[0] == v.shape[0]
+                    and any(t.requires_grad for t in (q, k, v))):
+                return SlicedAttentionFunction.apply(q, k, v, bool(kwargs.get("is_causal", False)),
+                                                     kwargs.get("scale"), self.storage)
+        return func(*args, **kwargs)

@@ -16,7 +16,11 @@ from lessmem.core.layers.activations import (
     StoredFunctionalGELUTanh,
     StoredFunctionalSiLU,
 )
-from lessmem.core.layers.recomputed import RecomputedActivation, RecomputedGatedMLP
+from lessmem.core.layers.recomputed import (
+    RecomputedActivation,
+    RecomputedGatedMLP,
+    SlicedSDPAttention,
+)
 from lessmem.core.layers.transposed_linear import CompressedTransposedLinear
 
 # nn.Linear subclasses whose forward is F.linear(x, weight, bias) (timm's only adds a TorchScript cast).
@@ -60,6 +64,8 @@ RECOMPUTED = {
         RecomputedGatedMLP,
         lambda m: getattr(m.config, "pretraining_tp", 1) == 1,
     ),
+    # Its SDPA call, where saved tensors are lossy (otherwise the stock call runs).
+    "transformers.models.llama.modeling_llama.LlamaAttention": (SlicedSDPAttention, lambda m: True),
 }
 
 
