@@ -304,3 +304,28 @@ def test_llama_attention_takes_the_sliced_path_with_lossy_saved_tensors() -> Non
 
     assert attention_nodes("int8") == {"SlicedAttentionFunctionBackward"}
     assert attention_nodes("native") == {"ScaledDotProductFlashAttentionForCpuBackward0"}
+
+
+@pytest.mark.parametrize("storage", ["native", "int8_rn"])
+def test_sliced_recomputed_norm_matches_the_norm_on_the_decoded_input(storage: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama's RMSNorm kept as its input only, packed and rerun a slice of rows at a time: its
+    gradients are the stock norm's on the decoded input (the weight's summed slice by slice)."""
+    from lessmem.core.functions.recompute import SlicedRecomputedFunction
+    from lessmem.core.layers.recomputed import RecomputedRMSNorm
+    from lessmem.core.storage import pack_tensor
+
+    monkeypatch.setattr(recompute, "SLICE_ELEMENTS", 7 * 128)  # 7 rows a slice, the last one shorter
+    norm = small_llama().lm.model.layers[0].input_layernorm
+    torch.manual_seed(0)
+    norm.weight.data.normal_()
+    x = torch.randn(3, 40, 128, requires_grad=True)
+    grad = torch.randn(3, 40, 128)
+    normed = RecomputedRMSNorm._normed.__get__(norm)
+    out = SlicedRecomputedFunction.apply(normed, storage, x, norm.weight)
+    got = torch.autograd.grad(out, (x, norm.weight), grad)
+    decoded = unpack_tensor(pack_tensor(x.detach(), storage), storage, tensor_meta(x)).requires_grad_()
+    expected = torch.autograd.grad(norm(decoded), (decoded, norm.weight), grad)
+    assert torch.equal(out, norm(x))
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-5)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lessmem.core.saved_storage import note_packed
 from lessmem.core.storage import pack_tensor, tensor_meta, unpack_tensor
 
 
@@ -67,7 +68,7 @@ class SlicedGatedMLPFunction(torch.autograd.Function):
             h = gated(gate, up)
             out[r0:r0 + step] = F.linear(h, wd, bd)
             parts = (pack_tensor(x_rows.detach(), x_storage) if needs[2] or needs[4] else (),
-                     pack_tensor(gate, saved_storage), pack_tensor(up, saved_storage),
+                     _pack_saved(gate, saved_storage), _pack_saved(up, saved_storage),
                      pack_tensor(h, h_storage) if needs[6] else ())
             saved.append(parts)
             metas.append(tuple(tensor_meta(t) for t in (x_rows, gate, up, h)))
@@ -124,6 +125,12 @@ class SlicedGatedMLPFunction(torch.autograd.Function):
         return None, dx, gw[0], gb[0], gw[1], gb[1], gw[2], gb[2], None
 
 
+def _pack_saved(t: Tensor, storage: str) -> tuple[Tensor, ...]:
+    """``t`` packed in the saved_storage rule's ``storage`` (named as that rule's for coverage)."""
+    packed = pack_tensor(t, storage)
+    return packed if storage == "native" else note_packed(packed, storage)
+
+
 def _add(total: Tensor | None, part: Tensor) -> Tensor:
     return part if total is None else total.add_(part)
 
@@ -143,7 +150,7 @@ class SlicedAttentionFunction(torch.autograd.Function):
         for b0 in range(0, q.shape[0], step):
             for t in (q, k, v):
                 part = t[b0:b0 + step].detach()
-                saved.append(pack_tensor(part, storage))
+                saved.append(_pack_saved(part, storage))
                 metas.append(tensor_meta(part))
         ctx.save_for_backward(*(t for p in saved for t in p))
         ctx.counts, ctx.metas, ctx.step = [len(p) for p in saved], metas, step
@@ -171,3 +178,45 @@ class SlicedAttentionFunction(torch.autograd.Function):
             for g, part in zip(grads, parts, strict=True):
                 g[b0:b0 + ctx.step] = part
         return *grads, None, None, None
+
+
+class SlicedRecomputedFunction(torch.autograd.Function):
+    """``fn(x, *params)`` for a function of each row (last dim) of ``x`` on its own (a norm),
+    keeping ``x`` only, packed in ``storage`` a slice of rows at a time; backward decodes one
+    slice, reruns ``fn`` on it under autograd, writes that slice's input gradient and adds up
+    the parameters' gradients (slice partial sums: another float summation order)."""
+
+    @staticmethod
+    def forward(ctx, fn: Callable[..., Tensor], storage: str, x: Tensor, *params: Tensor) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        step = max(1, SLICE_ELEMENTS // rows.shape[1])
+        saved = [_pack_saved(rows[r0:r0 + step].detach(), storage) for r0 in range(0, rows.shape[0], step)]
+        ctx.save_for_backward(*params, *(t for p in saved for t in p))
+        ctx.counts, ctx.metas = [len(p) for p in saved], [tensor_meta(rows[r0:r0 + step]) for r0 in
+                                                           range(0, rows.shape[0], step)]
+        ctx.fn, ctx.storage, ctx.step, ctx.n_params, ctx.shape = fn, storage, step, len(params), x.shape
+        return fn(x, *params)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        saved = ctx.saved_tensors  # once: checkpointing's hooks unpack a tensor only once
+        params, flat = saved[:ctx.n_params], saved[ctx.n_params:]
+        wanted = ctx.needs_input_grad[3:]
+        grad_rows = grad.reshape(-1, grad.shape[-1])
+        dx = grad_rows.new_empty(grad_rows.shape[0], ctx.shape[-1]) if ctx.needs_input_grad[2] else None
+        param_grads: list[Tensor | None] = [None] * len(params)
+        start = 0
+        for j, (count, meta) in enumerate(zip(ctx.counts, ctx.metas, strict=True)):
+            rows = unpack_tensor(flat[start:start + count], ctx.storage, meta).detach().requires_grad_(dx is not None)
+            start += count
+            leaves = [p.detach().requires_grad_(w) for p, w in zip(params, wanted, strict=True)]
+            with torch.enable_grad():
+                out = ctx.fn(rows, *leaves)
+            asked = [t for t in (rows, *leaves) if t.requires_grad]
+            got = iter(torch.autograd.grad(out, asked, grad_rows[j * ctx.step:(j + 1) * ctx.step]))
+            if dx is not None:
+                dx[j * ctx.step:(j + 1) * ctx.step] = next(got)
+            for i, w in enumerate(wanted):
+                if w:
+                    param_grads[i] = _add(param_grads[i], next(got))
+        return None, None, dx.view(ctx.shape) if dx is not None else None, *param_grads

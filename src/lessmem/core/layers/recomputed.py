@@ -16,6 +16,7 @@ from lessmem.core.functions.recompute import (
     RecomputedFunction,
     SlicedAttentionFunction,
     SlicedGatedMLPFunction,
+    SlicedRecomputedFunction,
 )
 from lessmem.core.layers.dispatch import ORIGINAL_CLASS_ATTR, needs_saving
 from lessmem.core.layers.linear import CompressedLinear, keeps_stock_path
@@ -79,6 +80,27 @@ class RecomputedGatedMLP(nn.Module):
             return False
         return all(set(p._forward_pre_hooks) | set(p._forward_hooks) <= set(p.__dict__.get(HOOK_IDS_ATTR, ()))
                    for p in projections) and not _global_module_hooks()
+
+
+class RecomputedRMSNorm(nn.Module):
+    """HF Llama's RMSNorm where saved tensors are lossy (``saved_storage``): keeps its input only
+    (stock keeps the normalised input as well), packed a slice of rows at a time, and reruns its
+    formula on each decoded slice in backward. With native saved tensors the stock forward runs
+    (a rerun sums the input's gradient terms in another order: not bit for bit)."""
+
+    weight: nn.Parameter
+    variance_epsilon: float
+
+    def _normed(self, x: Tensor, weight: Tensor) -> Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return weight * h.to(x.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        storage = self.__dict__.get(RULE_ATTR, ("native",))[0]
+        if storage == "native" or not needs_saving(x, self) or torch.compiler.is_compiling():
+            return self.__dict__[ORIGINAL_CLASS_ATTR].forward(self, x)
+        return SlicedRecomputedFunction.apply(self._normed, storage, x, self.weight)
 
 
 class SlicedSDPAttention(nn.Module):

@@ -19,6 +19,7 @@ from lessmem.core.layers.activations import (
 from lessmem.core.layers.recomputed import (
     RecomputedActivation,
     RecomputedGatedMLP,
+    RecomputedRMSNorm,
     SlicedSDPAttention,
 )
 from lessmem.core.layers.transposed_linear import CompressedTransposedLinear
@@ -64,6 +65,7 @@ RECOMPUTED = {
         RecomputedGatedMLP,
         lambda m: getattr(m.config, "pretraining_tp", 1) == 1,
     ),
+    "transformers.models.llama.modeling_llama.LlamaRMSNorm": (RecomputedRMSNorm, lambda m: True),
     # Its SDPA call, where saved tensors are lossy (otherwise the stock call runs).
     "transformers.models.llama.modeling_llama.LlamaAttention": (SlicedSDPAttention, lambda m: True),
 }
