@@ -39,7 +39,7 @@ class RecomputedFunction(torch.autograd.Function):
 
 
 # Elements of the widest full-size tensor one row slice of the sliced gated MLP holds.
-SLICE_ELEMENTS = 2**16
+SLICE_ELEMENTS = 2**17
 
 
 class SlicedGatedMLPFunction(torch.autograd.Function):
