@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 import lessmem
-from lessmem.core.ops import batchnorm, conv, masked_activations
+from lessmem.core.ops import batchnorm, conv, masked_activations, recompute
 from lessmem.core.ops.batchnorm import StoredBatchNormFunction, chunked_batch_norm_backward
 from lessmem.core.ops.conv import chunked_weight_grad, conv_grads, input_grad
 from lessmem.core.rounding import set_rounding_seed
-from lessmem.core.storage import unpack_tensor
+from lessmem.core.storage import tensor_meta, unpack_tensor
 
 
 @pytest.mark.parametrize("storage", ["native", "bf16", "int8", "int4", "int2"])
@@ -184,3 +184,147 @@ def test_kernel_one_conv_keeps_no_full_size_decoded_input(monkeypatch: pytest.Mo
     whole = backward_peak()
     assert sliced[1] == 0 and whole[1] == 1  # the check sees the copy where there is one
     assert sliced[0] < whole[0]
+
+
+def small_llama(layers: int = 1) -> nn.Module:
+    from lessmem.models import build_model
+
+    torch.manual_seed(0)
+    return build_model("tiny_llama", num_classes=64, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                       num_attention_heads=2, num_key_value_heads=2).train()
+
+
+def llama_grads(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    out = model(ids)
+    nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), ids.reshape(-1)).backward()
+    return out, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("storage", "saved"), [("int8_rn", "native"), ("int8_rn", "int8_rn"), ("bf16_rn", "bf16_rn")])
+def test_sliced_gated_mlp_matches_the_module_path(storage: str, saved: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama's MLP run as one token-sliced Function against the three projections and the
+    recomputed product (deterministic storages: the same codes both ways)."""
+    monkeypatch.setattr(recompute, "SLICE_ELEMENTS", 32 * 256)  # 32 token rows a slice
+    ids = torch.randint(0, 64, (3, 40))
+
+    def run(sliced: bool):
+        model = lessmem.compress(small_llama(), {"*": storage}, saved_storage=saved)
+        mlp = model.lm.model.layers[0].mlp
+        if not sliced:  # a hook on a projection keeps the module path
+            mlp.gate_proj.register_forward_hook(lambda *args: None)
+        assert mlp._sliceable(torch.zeros(3, 40, 128, requires_grad=True)) == sliced
+        return llama_grads(model, ids)
+
+    (out, grads), (ref_out, ref_grads) = run(True), run(False)
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)  # sums in slices
+
+
+def test_sliced_gated_mlp_holds_no_full_size_intermediate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No tensor of (all tokens) x intermediate width is made in the MLP's forward or backward:
+    the largest is the input gradient (tokens x hidden), or a weight gradient."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.setattr(recompute, "SLICE_ELEMENTS", 32 * 256)
+    tokens, hidden, width = 4 * 64, 128, 256
+
+    class Largest(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    def largest(model: nn.Module) -> int:
+        x = torch.randn(4, 64, hidden, requires_grad=True)
+        with Largest() as mode:
+            model.lm.model.layers[0].mlp(x).sum().backward()
+        return mode.numel
+
+    model = lessmem.compress(small_llama(), {"*": "int8"}, saved_storage="int8", act_storage="int8")
+    assert largest(model) == max(tokens * hidden, hidden * width)
+    model.lm.model.layers[0].mlp.gate_proj.register_forward_hook(lambda *args: None)
+    assert largest(model) == tokens * width  # the check sees the module path's full-size tensors
+
+
+@pytest.mark.parametrize("storage", ["native", "int8_rn"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sliced_attention_matches_sdpa_on_the_decoded_inputs(storage: str, is_causal: bool,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """q, k, v packed a batch slice at a time and the attention rerun per slice in backward:
+    the output is SDPA's, the gradients SDPA's own on the decoded q, k, v (k, v strided views of
+    one projection, as HF's are)."""
+    from lessmem.core.ops.recompute import SlicedAttentionFunction
+    from lessmem.core.storage import pack_tensor
+
+    monkeypatch.setattr(recompute, "SLICE_ELEMENTS", 2 * 2 * 16 * 32)  # two samples a slice
+    torch.manual_seed(0)
+    q = torch.randn(5, 2, 16, 32, requires_grad=True)
+    kv = torch.randn(5, 16, 2, 2, 32, requires_grad=True)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    grad = torch.randn(5, 2, 16, 32)
+    out = SlicedAttentionFunction.apply(q, k, v, is_causal, None, storage)
+    got = torch.autograd.grad(out, (q, kv), grad)
+    decoded = [unpack_tensor(pack_tensor(t.detach(), storage), storage, tensor_meta(t)) if storage != "native"
+               else t for t in (q, k, v)]
+    ref_q = decoded[0].detach().requires_grad_()
+    ref_kv = torch.stack([decoded[1].transpose(1, 2), decoded[2].transpose(1, 2)], 2).detach().requires_grad_()
+    ref_out = nn.functional.scaled_dot_product_attention(
+        ref_q, ref_kv[:, :, 0].transpose(1, 2), ref_kv[:, :, 1].transpose(1, 2), is_causal=is_causal)
+    expected = torch.autograd.grad(ref_out, (ref_q, ref_kv), grad)
+    torch.testing.assert_close(out, nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal),
+                               rtol=0, atol=0)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+
+
+def test_llama_attention_takes_the_sliced_path_with_lossy_saved_tensors() -> None:
+    """The attention's q, k, v are kept by ``SlicedAttentionFunction`` where saved tensors are
+    lossy, and by SDPA (stock) where they are native."""
+    ids = torch.randint(0, 64, (2, 16))
+
+    def attention_nodes(saved: str) -> set[str]:
+        model = lessmem.compress(small_llama(), {"*": "int8"}, saved_storage=saved)
+        out = model(ids)
+        names, stack, seen = set(), [out.grad_fn], set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            names.add(type(node).__name__)
+            stack.extend(n for n, _ in node.next_functions)
+        return {n for n in names if "Attention" in n}
+
+    assert attention_nodes("int8") == {"SlicedAttentionFunctionBackward"}
+    assert attention_nodes("native") == {"ScaledDotProductFlashAttentionForCpuBackward0"}
+
+
+@pytest.mark.parametrize("storage", ["native", "int8_rn"])
+def test_sliced_recomputed_norm_matches_the_norm_on_the_decoded_input(storage: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama's RMSNorm kept as its input only, packed and rerun a slice of rows at a time: its
+    gradients are the stock norm's on the decoded input (the weight's summed slice by slice)."""
+    from lessmem.core.ops.recompute import RecomputedRMSNorm, SlicedRecomputedFunction
+    from lessmem.core.storage import pack_tensor
+
+    monkeypatch.setattr(recompute, "SLICE_ELEMENTS", 7 * 128)  # 7 rows a slice, the last one shorter
+    norm = small_llama().lm.model.layers[0].input_layernorm
+    torch.manual_seed(0)
+    norm.weight.data.normal_()
+    x = torch.randn(3, 40, 128, requires_grad=True)
+    grad = torch.randn(3, 40, 128)
+    normed = RecomputedRMSNorm._normed.__get__(norm)
+    out = SlicedRecomputedFunction.apply(normed, storage, x, norm.weight)
+    got = torch.autograd.grad(out, (x, norm.weight), grad)
+    decoded = unpack_tensor(pack_tensor(x.detach(), storage), storage, tensor_meta(x)).requires_grad_()
+    expected = torch.autograd.grad(norm(decoded), (decoded, norm.weight), grad)
+    assert torch.equal(out, norm(x))
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-5)

@@ -29,6 +29,8 @@ _OURS = {
     "PackedDropoutFunctionBackward": (True, "1-bit mask", "dropout mask"),
     "StoredActivationFunctionBackward": (True, "{storage} (approximate)", "GELU/SiLU input"),
     "RecomputedFunctionBackward": (True, "inputs only, recomputed in backward", "multi-op formula inputs"),
+    "SlicedGatedMLPFunctionBackward": (True, "packed per token slice, recomputed in backward",
+                                       "gated MLP input and down-projection input"),
 }
 _STOCK = {
     "ConvolutionBackward": "conv input: layer not compressed (k=1 or not in the map)",

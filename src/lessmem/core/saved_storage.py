@@ -120,6 +120,14 @@ def packed_storage_of(key: tuple[str, int]) -> str | None:
     return entry[1] if part is not None and storage_key(part) == key else None
 
 
+def note_packed(parts: tuple[Tensor, ...], storage: Storage) -> tuple[Tensor, ...]:
+    """Name ``parts``, packed in the saved_storage rule's lossy ``storage`` by one of lessmem's
+    Functions (which decodes them itself, a slice at a time), as that rule's for ``coverage``."""
+    for p in parts:
+        _parts[storage_key(p)] = (weakref.ref(p), storage)
+    return parts
+
+
 def _is_parameter(t: Tensor) -> bool:
     """Whether ``t`` is a parameter, or a view / cast of one (autocast's copy of a weight)."""
     if isinstance(t if t._base is None else t._base, nn.Parameter):
@@ -192,9 +200,7 @@ class _Hooks:
         return _View(stored, tuple(t.shape), t.stride(), t.storage_offset())
 
     def _pack(self, t: Tensor) -> _Stored:
-        packed = pack_tensor(t.detach(), self.storage)
-        for p in packed:
-            _parts[storage_key(p)] = (weakref.ref(p), self.storage)
+        packed = note_packed(pack_tensor(t.detach(), self.storage), self.storage)
         parts = tuple(self._outer_pack(p) for p in packed)
         return _Stored(parts, self.storage, tensor_meta(t), None if self.outer is None else self.outer[1])
 

@@ -13,9 +13,14 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from lessmem.core.ops.dispatch import ORIGINAL_CLASS_ATTR, needs_saving
+from lessmem.core.ops.linear import CompressedLinear, keeps_stock_path
+from lessmem.core.saved_storage import HOOK_IDS_ATTR, RULE_ATTR, note_packed
+from lessmem.core.storage import pack_tensor, tensor_meta, unpack_tensor
 
 
 class RecomputedFunction(torch.autograd.Function):
@@ -41,10 +46,199 @@ class RecomputedFunction(torch.autograd.Function):
         return None, *(next(grads) if t.requires_grad else None for t in inputs)
 
 
+# Elements of the widest full-size tensor one row slice of the sliced gated MLP holds.
+SLICE_ELEMENTS = 2**17
+
+
+class SlicedGatedMLPFunction(torch.autograd.Function):
+    """``down(gated(gate(x), up(x)))`` for token linears without token pooling, run a slice of
+    token rows at a time, forward and backward: no full-size gate(x), up(x) or down input exists.
+    Per slice, forward keeps x, gate(x), up(x) and the down input packed (``storages``: x's,
+    gate / up's, the down input's); backward decodes them one slice at a time, reruns ``gated``
+    under autograd on it, writes the slice's input gradient and adds the slice's weight
+    gradients. Each output and input-gradient row is what the unsliced ops compute on the same
+    (decoded) values, up to the matrix products' blocking; the weight gradients are sums of slice
+    partial sums (another float summation order)."""
+
+    @staticmethod
+    def forward(ctx, gated: Callable[[Tensor, Tensor], Tensor], x: Tensor, wg: Tensor, bg: Tensor | None,
+                wu: Tensor, bu: Tensor | None, wd: Tensor, bd: Tensor | None, storages: tuple[str, str, str]):
+        x_storage, saved_storage, h_storage = storages
+        needs = ctx.needs_input_grad
+        x2 = x.reshape(-1, x.shape[-1])
+        n = x2.shape[0]
+        step = max(1, SLICE_ELEMENTS // max(x2.shape[1], wg.shape[0], wd.shape[0]))
+        out = x2.new_empty(n, wd.shape[0])
+        saved, metas = [], []
+        for r0 in range(0, n, step):
+            x_rows = x2[r0:r0 + step]
+            gate, up = F.linear(x_rows, wg, bg), F.linear(x_rows, wu, bu)
+            h = gated(gate, up)
+            out[r0:r0 + step] = F.linear(h, wd, bd)
+            parts = (pack_tensor(x_rows.detach(), x_storage) if needs[2] or needs[4] else (),
+                     _pack_saved(gate, saved_storage), _pack_saved(up, saved_storage),
+                     pack_tensor(h, h_storage) if needs[6] else ())
+            saved.append(parts)
+            metas.append(tuple(tensor_meta(t) for t in (x_rows, gate, up, h)))
+        ctx.save_for_backward(wg, wu, wd, *(t for parts in saved for p in parts for t in p))
+        ctx.counts = [[len(p) for p in parts] for parts in saved]
+        ctx.metas, ctx.step, ctx.gated, ctx.storages = metas, step, gated, storages
+        return out.view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        wg, wu, wd, *flat = ctx.saved_tensors
+        x_storage, saved_storage, h_storage = ctx.storages
+        stores = (x_storage, saved_storage, saved_storage, h_storage)
+        needs = ctx.needs_input_grad
+        flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
+        dx = flat_grad.new_empty(flat_grad.shape[0], wg.shape[1]) if needs[1] else None
+        gw: list[Tensor | None] = [None, None, None]  # gate, up, down
+        gb: list[Tensor | None] = [None, None, None]
+        start = 0
+        for j, (counts, metas) in enumerate(zip(ctx.counts, ctx.metas, strict=True)):
+            parts = []
+            for count in counts:
+                parts.append(flat[start:start + count])
+                start += count
+
+            def decoded(i: int) -> Tensor:
+                return unpack_tensor(parts[i], stores[i], metas[i])  # noqa: B023 (used in this iteration)
+
+            r0 = j * ctx.step
+            g = flat_grad[r0:r0 + ctx.step]
+            if needs[6]:
+                gw[2] = _add(gw[2], g.t() @ decoded(3))
+            with torch.enable_grad():
+                gate = decoded(1).detach().requires_grad_()
+                up = decoded(2).detach().requires_grad_()
+                out = ctx.gated(gate, up)
+            dgate, dup = torch.autograd.grad(out, (gate, up), g @ wd)
+            del out, gate, up
+            if dx is not None:
+                torch.mm(dgate, wg, out=dx[r0:r0 + ctx.step])
+                dx[r0:r0 + ctx.step] += dup @ wu
+            if needs[2] or needs[4]:
+                x_rows = decoded(0)
+                if needs[2]:
+                    gw[0] = _add(gw[0], dgate.t() @ x_rows)
+                if needs[4]:
+                    gw[1] = _add(gw[1], dup.t() @ x_rows)
+            for i, d, wanted in ((0, dgate, needs[3]), (1, dup, needs[5])):
+                if wanted:
+                    gb[i] = _add(gb[i], d.sum(0))
+        if needs[7]:
+            gb[2] = flat_grad.sum(0)
+        dx = dx.view(*grad_out.shape[:-1], -1) if dx is not None else None
+        return None, dx, gw[0], gb[0], gw[1], gb[1], gw[2], gb[2], None
+
+
+def _pack_saved(t: Tensor, storage: str) -> tuple[Tensor, ...]:
+    """``t`` packed in the saved_storage rule's ``storage`` (named as that rule's for coverage)."""
+    packed = pack_tensor(t, storage)
+    return packed if storage == "native" else note_packed(packed, storage)
+
+
+def _add(total: Tensor | None, part: Tensor) -> Tensor:
+    return part if total is None else total.add_(part)
+
+
+class SlicedAttentionFunction(torch.autograd.Function):
+    """``F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=...)`` (no mask, no dropout)
+    keeping q, k and v only, packed in ``storage`` a batch slice at a time; backward decodes one
+    slice, reruns the attention on it under autograd and writes that slice's gradients. Neither
+    the output nor a full-size decoded q / k / v is kept or made in backward; forward is the one
+    call, each gradient slice is the attention's own backward on the same decoded values."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None, storage: str):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+        step = max(1, SLICE_ELEMENTS // max(t[0].numel() for t in (q, k, v)))
+        saved, metas = [], []
+        for b0 in range(0, q.shape[0], step):
+            for t in (q, k, v):
+                part = t[b0:b0 + step].detach()
+                saved.append(_pack_saved(part, storage))
+                metas.append(tensor_meta(part))
+        ctx.save_for_backward(*(t for p in saved for t in p))
+        ctx.counts, ctx.metas, ctx.step = [len(p) for p in saved], metas, step
+        ctx.is_causal, ctx.scale, ctx.storage = is_causal, scale, storage
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        flat = ctx.saved_tensors
+        n = grad_out.shape[0]
+        grads = [grad_out.new_empty((n, *ctx.metas[i].shape[1:])) for i in range(3)]
+        start = 0
+        for j in range(len(ctx.metas) // 3):
+            decoded = []
+            for i in range(3):
+                count = ctx.counts[3 * j + i]
+                values = unpack_tensor(flat[start:start + count], ctx.storage, ctx.metas[3 * j + i])
+                decoded.append(values.detach().requires_grad_())
+                start += count
+            with torch.enable_grad():
+                out = F.scaled_dot_product_attention(*decoded, is_causal=ctx.is_causal, scale=ctx.scale)
+            b0 = j * ctx.step
+            parts = torch.autograd.grad(out, decoded, grad_out[b0:b0 + ctx.step])
+            del out, decoded
+            for g, part in zip(grads, parts, strict=True):
+                g[b0:b0 + ctx.step] = part
+        return *grads, None, None, None
+
+
+class SlicedRecomputedFunction(torch.autograd.Function):
+    """``fn(x, *params)`` for a function of each row (last dim) of ``x`` on its own (a norm),
+    keeping ``x`` only, packed in ``storage`` a slice of rows at a time; backward decodes one
+    slice, reruns ``fn`` on it under autograd, writes that slice's input gradient and adds up
+    the parameters' gradients (slice partial sums: another float summation order)."""
+
+    @staticmethod
+    def forward(ctx, fn: Callable[..., Tensor], storage: str, x: Tensor, *params: Tensor) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        step = max(1, SLICE_ELEMENTS // rows.shape[1])
+        saved = [_pack_saved(rows[r0:r0 + step].detach(), storage) for r0 in range(0, rows.shape[0], step)]
+        ctx.save_for_backward(*params, *(t for p in saved for t in p))
+        ctx.counts, ctx.metas = [len(p) for p in saved], [tensor_meta(rows[r0:r0 + step]) for r0 in
+                                                           range(0, rows.shape[0], step)]
+        ctx.fn, ctx.storage, ctx.step, ctx.n_params, ctx.shape = fn, storage, step, len(params), x.shape
+        return fn(x, *params)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        saved = ctx.saved_tensors  # once: checkpointing's hooks unpack a tensor only once
+        params, flat = saved[:ctx.n_params], saved[ctx.n_params:]
+        wanted = ctx.needs_input_grad[3:]
+        grad_rows = grad.reshape(-1, grad.shape[-1])
+        dx = grad_rows.new_empty(grad_rows.shape[0], ctx.shape[-1]) if ctx.needs_input_grad[2] else None
+        param_grads: list[Tensor | None] = [None] * len(params)
+        start = 0
+        for j, (count, meta) in enumerate(zip(ctx.counts, ctx.metas, strict=True)):
+            rows = unpack_tensor(flat[start:start + count], ctx.storage, meta).detach().requires_grad_(dx is not None)
+            start += count
+            leaves = [p.detach().requires_grad_(w) for p, w in zip(params, wanted, strict=True)]
+            with torch.enable_grad():
+                out = ctx.fn(rows, *leaves)
+            asked = [t for t in (rows, *leaves) if t.requires_grad]
+            got = iter(torch.autograd.grad(out, asked, grad_rows[j * ctx.step:(j + 1) * ctx.step]))
+            if dx is not None:
+                dx[j * ctx.step:(j + 1) * ctx.step] = next(got)
+            for i, w in enumerate(wanted):
+                if w:
+                    param_grads[i] = _add(param_grads[i], next(got))
+        return None, None, dx.view(ctx.shape) if dx is not None else None, *param_grads
+
+
 def _recomputed(fn: Callable[..., Tensor], *inputs: Tensor) -> Tensor:
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs) or torch.compiler.is_compiling():
         return fn(*inputs)  # nothing saved, or the compiler chooses what to keep
     return RecomputedFunction.apply(fn, *inputs)
+
+
+def _global_module_hooks() -> bool:
+    module = nn.modules.module
+    return bool(module._global_forward_pre_hooks or module._global_forward_hooks)
 
 
 class RecomputedActivation(nn.Module):
@@ -71,4 +265,83 @@ class RecomputedGatedMLP(nn.Module):
         return self.act_fn(gate) * up
 
     def forward(self, x: Tensor) -> Tensor:
+        if self._sliceable(x):
+            storages = (self.gate_proj.lessmem_spec.storage, self.__dict__.get(RULE_ATTR, ("native",))[0],
+                        self.down_proj.lessmem_spec.storage)
+            return SlicedGatedMLPFunction.apply(
+                self._gated, x, self.gate_proj.weight, self.gate_proj.bias, self.up_proj.weight,
+                self.up_proj.bias, self.down_proj.weight, self.down_proj.bias, storages)
         return self.down_proj(_recomputed(self._gated, self.gate_proj(x), self.up_proj(x)))
+
+    def _sliceable(self, x: Tensor) -> bool:
+        """Whether the whole MLP may run as one ``SlicedGatedMLPFunction`` (backward in token
+        slices): three token linears without token pooling, gate and up keeping x alike, in
+        eager mode without autocast, and no hooks on the projections but saved_storage's (the
+        projections' own forwards do not run)."""
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+        if not all(isinstance(p, CompressedLinear) and p.lessmem_spec.kernel[0] == 1 for p in projections):
+            return False
+        if self.gate_proj.lessmem_spec.storage != self.up_proj.lessmem_spec.storage:
+            return False
+        if torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type) or keeps_stock_path(self.gate_proj, x):
+            return False
+        return all(set(p._forward_pre_hooks) | set(p._forward_hooks) <= set(p.__dict__.get(HOOK_IDS_ATTR, ()))
+                   for p in projections) and not _global_module_hooks()
+
+
+class RecomputedRMSNorm(nn.Module):
+    """HF Llama's RMSNorm where saved tensors are lossy (``saved_storage``): keeps its input only
+    (stock keeps the normalised input as well), packed a slice of rows at a time, and reruns its
+    formula on each decoded slice in backward. With native saved tensors the stock forward runs
+    (a rerun sums the input's gradient terms in another order: not bit for bit)."""
+
+    weight: nn.Parameter
+    variance_epsilon: float
+
+    def _normed(self, x: Tensor, weight: Tensor) -> Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return weight * h.to(x.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        storage = self.__dict__.get(RULE_ATTR, ("native",))[0]
+        if storage == "native" or not needs_saving(x, self) or torch.compiler.is_compiling():
+            return self.__dict__[ORIGINAL_CLASS_ATTR].forward(self, x)
+        return SlicedRecomputedFunction.apply(self._normed, storage, x, self.weight)
+
+
+class SlicedSDPAttention(nn.Module):
+    """An HF attention module (Llama's) whose saved tensors are lossy (``saved_storage``): its own
+    forward runs, with its ``F.scaled_dot_product_attention`` call (no mask, no dropout) taken by
+    ``SlicedAttentionFunction``, which keeps q, k, v packed and no output, and decodes them a
+    batch slice at a time in backward. With native saved tensors the stock call runs."""
+
+    def forward(self, *args, **kwargs):
+        stock = partial(self.__dict__[ORIGINAL_CLASS_ATTR].forward, self)
+        storage = self.__dict__.get(RULE_ATTR, ("native",))[0]
+        if storage == "native" or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return stock(*args, **kwargs)
+        with _SlicedAttention(storage):
+            return stock(*args, **kwargs)
+
+
+class _SlicedAttention(TorchFunctionMode):
+    """Routes the supported ``F.scaled_dot_product_attention`` calls to ``SlicedAttentionFunction``."""
+
+    def __init__(self, storage: str) -> None:
+        super().__init__()
+        self.storage = storage
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k, v = (*args, *(kwargs.get(n) for n in ("query", "key", "value")))[:3]
+            options = {n: kwargs.get(n, default) for n, default in
+                       (("attn_mask", None), ("dropout_p", 0.0), ("enable_gqa", False))}
+            if (len(args) == 3 and options == {"attn_mask": None, "dropout_p": 0.0, "enable_gqa": False}
+                    and set(kwargs) <= {"attn_mask", "dropout_p", "enable_gqa", "is_causal", "scale"}
+                    and q.dim() == 4 and q.shape[0] == k.shape[0] == v.shape[0]
+                    and any(t.requires_grad for t in (q, k, v))):
+                return SlicedAttentionFunction.apply(q, k, v, bool(kwargs.get("is_causal", False)),
+                                                     kwargs.get("scale"), self.storage)
+        return func(*args, **kwargs)

@@ -20,7 +20,12 @@ from lessmem.core.ops.dropout import PackedDropout
 from lessmem.core.ops.linear import CompressedLinear, CompressedTransposedLinear
 from lessmem.core.ops.masked_activations import PackedHardtanh, PackedReLU, PackedReLU6
 from lessmem.core.ops.maxpool import CompactMaxPool2d
-from lessmem.core.ops.recompute import RecomputedActivation, RecomputedGatedMLP
+from lessmem.core.ops.recompute import (
+    RecomputedActivation,
+    RecomputedGatedMLP,
+    RecomputedRMSNorm,
+    SlicedSDPAttention,
+)
 from lessmem.core.ops.stored_activations import (
     StoredFunctionalGELU,
     StoredFunctionalGELUTanh,
@@ -138,6 +143,9 @@ RECOMPUTED = {
         RecomputedGatedMLP,
         lambda m: getattr(m.config, "pretraining_tp", 1) == 1,
     ),
+    "transformers.models.llama.modeling_llama.LlamaRMSNorm": (RecomputedRMSNorm, lambda m: True),
+    # Its SDPA call, where saved tensors are lossy (otherwise the stock call runs).
+    "transformers.models.llama.modeling_llama.LlamaAttention": (SlicedSDPAttention, lambda m: True),
 }
 
 
