@@ -194,3 +194,31 @@ def test_scalar_build_matches_the_torch_reference() -> None:
         env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "skipped" not in proc.stdout
+
+
+def test_threaded_kernels_equal_one_thread(monkeypatch) -> None:
+    """The suite runs on one thread (conftest); the kernels split their loops over threads, and
+    that split must not change a bit: masks, group codes (stochastic int4, bf16) and their decode."""
+    from lessmem.core import storage as storage_module
+    from lessmem.core.storage import pack_tensor, tensor_meta, unpack_tensor
+
+    require_kernels()
+    monkeypatch.setattr(storage_module, "next_key", lambda: 0x9E3779B9)
+    torch.manual_seed(0)
+    x = torch.randn(8, 64, 32, 32)
+
+    def outputs() -> list[torch.Tensor]:
+        _, bits = cpu.clamp_and_pack(x, 0.0, None)
+        packed = [p for s in ("int4", "bf16") for p in pack_tensor(x, s)]
+        decoded = [unpack_tensor(pack_tensor(x, s), s, tensor_meta(x)) for s in ("int4", "bf16")]
+        return [bits, *packed, *decoded]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = outputs()
+        torch.set_num_threads(2)
+        threaded = outputs()
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(single, threaded, strict=True))
