@@ -16,7 +16,7 @@ from lessmem.core.rounding import set_rounding_seed
 from lessmem.core.storage import tensor_meta, unpack_tensor
 
 
-@pytest.mark.parametrize("storage", ["native", "bf16", "int8", "int4", "int2"])
+@pytest.mark.parametrize("storage", ["native", "bf16", "bf16_rn", "int8", "int8_rn", "int4", "int2"])
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("inplace", [False, True])
 def test_chunked_batch_norm_backward_matches_torch_on_the_decoded_input(

@@ -241,13 +241,13 @@ def sliceable(meta: TensorMeta, storage: Storage) -> bool:
     per_sample = 1
     for s in meta.shape[1:]:
         per_sample *= s
-    return storage in ("native", "bf16") or (len(meta.shape) > 1 and per_sample % GROUP == 0)
+    return storage == "native" or storage in BFLOAT16 or (len(meta.shape) > 1 and per_sample % GROUP == 0)
 
 
 def unpack_samples(packed: tuple[Tensor, ...] | list[Tensor], storage: Storage, meta: TensorMeta,
                    start: int, stop: int) -> Tensor:
     """Samples ``start:stop`` of the tensor ``packed`` stands for (``sliceable`` must hold)."""
-    if storage in ("native", "bf16"):
+    if storage == "native" or storage in BFLOAT16:
         return unpack_tensor((packed[0][start:stop],), storage, meta)
     codes, lo, scale = packed
     groups = lo.numel() // meta.shape[0]
