@@ -132,3 +132,19 @@ def test_cuda_peak_reads_max_memory_allocated() -> None:
     assert report.peak_bytes == torch.cuda.max_memory_allocated()
     # the allocator rounds blocks up, so its peak is at least the profiled tensor bytes
     assert report.peak_bytes >= sum(report.by_category.values())
+
+
+def test_the_peak_report_lists_what_is_alive_at_the_peak() -> None:
+    """``report.live`` names every tensor alive at the peak and ``format_live`` tables them: the rows
+    and the remainder add up to the live bytes listed."""
+    from lessmem.core.peak_tensors import format_live
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    batch = (torch.randn(512, 64), torch.randint(10, (512,)))
+    report = lessmem.measure_step_memory(model, batch, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert report.live and sum(t.nbytes for t in report.live) <= report.peak_bytes
+    table = format_live(report.live, min_bytes=2**16).splitlines()
+    assert table[0].startswith("| MiB | category") and len(table) >= 4
+    listed = [float(row.split("|")[1]) for row in table[2:]]
+    assert sum(listed) == pytest.approx(sum(t.nbytes for t in report.live) / 2**20, abs=0.05 * len(listed))
