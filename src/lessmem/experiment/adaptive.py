@@ -2,10 +2,9 @@
 current weights (GACT re-estimates its bit allocation the same way, every N steps).
 
 The menu (conv pooling ``kernels`` x ``storages``, BatchNorm ``norm_storages``, GELU / SiLU
-``act_storages``) is
-re-measured and map plus storages chosen by the menu knapsack on ``criterion`` within ``budget``
-(total saved bytes, fraction of stock); ``storages: [native]`` and no norm / act storages
-re-choose pooling kernels alone.
+``act_storages``) is re-measured, and map plus storages are chosen by the menu knapsack on
+``criterion`` within ``budget`` (total saved bytes, fraction of stock); ``storages: [native]`` and
+no norm / act storages re-choose pooling kernels alone.
 
 The choice in force is ``{"map", "norm_storage", "act_storage"}``: checkpoints carry it and
 resume re-applies it. Deterministic, so every DDP rank arrives at the same choice.

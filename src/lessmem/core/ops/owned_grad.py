@@ -28,8 +28,8 @@ def handed_to(grad: Tensor, node) -> Tensor:
 def owns(ctx, grad: Tensor) -> bool:
     """Whether the backward ``ctx`` may overwrite ``grad`` in place (never in a compiled graph:
     the compiler plans its own buffers)."""
-    return (not torch.compiler.is_compiling() and not torch.is_grad_enabled() and not grad.requires_grad and grad._base is None
-            and _handed.get(grad) is ctx)
+    return (not torch.compiler.is_compiling() and not torch.is_grad_enabled() and not grad.requires_grad
+            and grad._base is None and _handed.get(grad) is ctx)
 
 
 def grad_target(x: Tensor):
