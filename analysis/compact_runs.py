@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from repo_paths import relative_to_repo
 
 DROPPED = ("saved_bytes_per_layer",)  # 58 numbers per run; each run's memory.json keeps them
 
@@ -39,8 +40,8 @@ def compact(out: Path) -> dict:
         runs.setdefault(run.parent.name, {})[run.name[4:]] = record
     stock = sorted((out / "runs" / "stock").glob("seed*/config.yaml"), key=_run_order)
     maps = load_tracked(out)["maps"] | {p.stem: p.read_text() for p in (out / "maps").glob("*.yaml")}
-    table = {"runs": runs, "stock_config": yaml.safe_load(stock[0].read_text()) if stock else None,
-             "maps": dict(sorted(maps.items()))}
+    table = relative_to_repo({"runs": runs, "stock_config": yaml.safe_load(stock[0].read_text()) if stock else None,
+                              "maps": dict(sorted(maps.items()))})
     (out / "runs.json").write_text(json.dumps(table, indent=1) + "\n")
     return table
 

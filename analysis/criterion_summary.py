@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 from compact_runs import by_seed, load, restore_maps
-from proof_summary import LEGACY, REPO, layout_of, schedule
+from proof_summary import LEGACY, layout_of, schedule
+from repo_paths import REPO, relative_to_repo
 
 from lessmem.sensitivity import MenuResult, read_map_yaml
 
@@ -119,8 +120,8 @@ def summarize(out: Path) -> dict:
     metric = [sign * r[key] for r in rows]
     rho = {c: c_sign * spearman([r[c] for r in rows], metric) for c, (_, c_sign, _) in CRITERIA.items()}
     best = max((c for c in rho if c != "ratio"), key=lambda c: rho[c])
-    result = {"maps": len(rows), "rows": rows, "spearman": rho, "best": best, "meta": menu.meta,
-              "interval": bootstrap(rows, best, key, sign), "schedule": schedule(table["stock_config"])}
+    result = relative_to_repo({"maps": len(rows), "rows": rows, "spearman": rho, "best": best, "meta": menu.meta,
+                               "interval": bootstrap(rows, best, key, sign), "schedule": schedule(table["stock_config"])})
     (out / "summary.json").write_text(json.dumps(result, indent=2))
     (out / "summary.md").write_text(markdown(result, layout))
     plot(rows, rho, layout, out / "scatter.png")

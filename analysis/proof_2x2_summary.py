@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from compact_runs import by_seed, load
+from repo_paths import relative_to_repo
 
 CONFIGS = [("stock", "stock (no compression)"), ("pool2", "uniform 2x2"),
            ("greedy", "greedy sensitivity map"), ("adaptive", "adaptive schedule"),
@@ -85,6 +86,7 @@ def summarize(out: Path) -> dict:
     result["ranking"] = ranking(out)
     result["search"] = search_info(out)
     result["adaptive_maps"] = adaptive_maps(table)
+    result = relative_to_repo(result)
     (out / "summary.json").write_text(json.dumps(result, indent=1))
     plot_accuracy(rows, out / "accuracy.png")
     plot_curves(runs, out / "curves.png")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from compact_runs import by_seed
 from compact_runs import load as load_table
+from repo_paths import REPO, relative_to_repo
 
 from lessmem.sensitivity import MenuResult
 
@@ -50,7 +51,6 @@ LEGACY = {
                     "images (never the test set), median-pruned after epoch 1 (`sweeps/menu_resnet20.yaml`). "
                     "Trial 0 is the knapsack's own map at that budget."),
 }
-REPO = Path(__file__).resolve().parent.parent
 
 
 def layout_of(out: Path) -> dict:
@@ -143,6 +143,7 @@ def summarize(out: Path) -> dict:
         values = [scale * m[layout["metric"]] for m in stock.values()]
         result["stock"] = {"seeds": sorted(stock), "mean": statistics.fmean(values),
                            "std": statistics.stdev(values) if len(values) > 1 else math.nan}
+    result = relative_to_repo(result)
     (out / "summary.json").write_text(json.dumps(result, indent=2))
     (out / "summary.md").write_text(markdown(result, layout))
     plot_frontier(result, layout, out / "frontier.png")

@@ -114,16 +114,20 @@ def main() -> None:
           f"torchvision {torchvision.__version__}; saved-for-backward bytes after the forward pass")
     print("| model | config | saved MiB | ratio to stock | note |")
     print("|---|---|---|---|---|")
-    for name in args.models:
-        configs = [c for c in args.configs or configs_of(name) if c in configs_of(name)]
-        for row in measure_in_subprocess(name, args.batch, args.size, configs):
-            print(f"| {row['model']} | {row['config']} | {row['saved_mib']:.1f} | {row['ratio']:.3f} | {row['note']} |",
-                  flush=True)
-            if writer:
-                writer.writerow(row)
-                csv_file.flush()
-    if writer:
-        csv_file.close()
+    try:
+        for name in args.models:
+            configs = [c for c in args.configs or configs_of(name) if c in configs_of(name)]
+            for row in measure_in_subprocess(name, args.batch, args.size, configs):
+                print(f"| {row['model']} | {row['config']} | {row['saved_mib']:.1f} | {row['ratio']:.3f} | "
+                      f"{row['note']} |", flush=True)
+                if writer:
+                    writer.writerow(row)
+                    csv_file.flush()
+    except RuntimeError as e:  # a measuring process died: one line after the rows it measured
+        raise SystemExit(f"memory.py: error: {e}") from None
+    finally:
+        if writer:
+            csv_file.close()
 
 
 if __name__ == "__main__":

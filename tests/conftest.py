@@ -27,6 +27,12 @@ TINY_SYNTHETIC = (
     "model=resnet20", "compression=pool2", "dataset=synthetic", "dataset.size=64", "dataset.val_size=32",
     "batch_size=32", "eval_batch_size=32", "memory_batch=4", "epochs=1", "logger=disabled", "device=cpu",
 )
+# tiny_llama at width 64 on 1 MB of the stdlib, blocks of 32, 4 steps of 8: seconds per run.
+TINY_LM = (
+    "experiment=lm_quick", "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
+    "dataset.seq_len=32", "dataset.size_mb=1", "dataset.val_blocks=16", "batch_size=8", "eval_batch_size=8",
+    "memory_batch=4", "max_steps_per_epoch=4",
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -54,8 +60,15 @@ def _one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def tiny() -> tuple[str, ...]:
-    """Overrides for a tiny CPU run on synthetic data (add ``epochs=``, ``compression=`` ...)."""
+    """Overrides for a tiny CPU run on synthetic data; overrides after them win (``epochs=``,
+    ``compression=none`` for a stock run ...)."""
     return TINY_SYNTHETIC
+
+
+@pytest.fixture(scope="session")
+def tiny_lm() -> tuple[str, ...]:
+    """Overrides for a tiny causal-LM run (``experiment=lm_quick`` shrunk); later overrides win."""
+    return TINY_LM
 
 
 @pytest.fixture(scope="session")

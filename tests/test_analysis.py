@@ -6,8 +6,6 @@ import csv
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -52,9 +50,7 @@ def sweep(tmp_path_factory: pytest.TempPathFactory, tiny: tuple[str, ...]) -> Pa
 
 def test_report_cli_on_sweep(sweep: Path, tmp_path: Path) -> None:
     out = tmp_path / "rep"
-    res = subprocess.run([sys.executable, str(ANALYSIS / "report.py"), str(sweep), "--out", str(out)],
-                         capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
+    assert script("report").main([str(sweep), "--out", str(out)]) == 0
     with (out / "table.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert [r["map"] for r in rows] == ["none", "pool2"]
@@ -138,11 +134,10 @@ def test_pareto_front_on_any_columns() -> None:
     assert [r["trial"] for r in front] == [1, 0, 5]
 
 
-def test_report_on_search(tmp_path: Path) -> None:
+def test_report_on_search(tmp_path: Path, tiny: tuple[str, ...]) -> None:
     from lessmem.search import run_search
 
-    base = ["model=resnet20", "dataset=synthetic", "dataset.size=64", "dataset.val_size=32",
-            "logger=disabled", "device=cpu", "epochs=1", "batch_size=32", "memory_batch=4"]
+    base = [*tiny, "compression=none"]
     args = {"study_name": "t", "out_dir": str(tmp_path / "s"), "n_trials": 4, "menu": "kernels", "budget": 0.6,
             "sensitivity.batches": 1, "sensitivity.batch_size": 4}  # the memory batch: bytes compare
     dot = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in args.items()]

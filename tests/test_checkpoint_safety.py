@@ -18,7 +18,6 @@ from lessmem.experiment import load_checkpoint
 from lessmem.experiment.checkpoint import RESUME_KEYS
 from lessmem.experiment.runtime import rng_state, set_rng_state
 
-SENSITIVITY_BASE = ["model=resnet20", "dataset=synthetic", "dataset.size=16", "device=cpu"]
 
 class RunsCode:
     """Unpickling it runs ``touch <marker>``."""
@@ -56,9 +55,9 @@ def test_load_checkpoint_refuses_code_running_checkpoint(tmp_path: Path) -> None
     assert not marker.exists()
 
 
-def test_sensitivity_refuses_code_running_checkpoint(tmp_path: Path, run_cli) -> None:
+def test_sensitivity_refuses_code_running_checkpoint(tmp_path: Path, run_cli, tiny) -> None:
     path, marker = code_running_checkpoint(tmp_path)
-    result = run_cli(sensitivity.main, "lessmem-sensitivity", *SENSITIVITY_BASE, f"sensitivity.checkpoint={path}",
+    result = run_cli(sensitivity.main, "lessmem-sensitivity", *tiny, f"sensitivity.checkpoint={path}",
                      f"sensitivity.out={tmp_path / 'o'}")
     assert result.is_one_error("lessmem-sensitivity", "checkpoint"), result.stderr
     assert "could run code" in result.stderr[0]

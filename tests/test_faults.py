@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,6 @@ import torch
 
 from lessmem.experiment.train import TIME_KEYS
 
-# 64 training images = 2 steps of 32 per epoch, 3 epochs: a few seconds per run on one core.
-TINY = ["model=resnet20", "compression=pool2", "dataset=synthetic", "dataset.size=64",
-        "dataset.val_size=32", "batch_size=32", "eval_batch_size=32", "memory_batch=4", "epochs=3",
-        "logger=disabled", "device=cpu"]
 KILLED = -signal.SIGKILL
 
 
@@ -41,9 +38,16 @@ def _train_cmd() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "lessmem.cli.train"]
 
 
-def _train(out: Path, *args: str, fault: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*_train_cmd(), *TINY, f"hydra.run.dir={out}", *args], cwd=out.parent,
-                          env=_env(fault), capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def train(tiny: tuple[str, ...]) -> Callable[..., subprocess.CompletedProcess]:
+    """``train(out, *args, fault=)``: lessmem-train as its own process (a SIGKILL must end a real one),
+    ``tiny`` for 3 epochs of 2 steps: a few seconds per run on one core."""
+
+    def run(out: Path, *args: str, fault: str | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([*_train_cmd(), *tiny, "epochs=3", f"hydra.run.dir={out}", *args], cwd=out.parent,
+                              env=_env(fault), capture_output=True, text=True, timeout=300)
+
+    return run
 
 
 def _comparable(metrics: dict) -> dict:
@@ -61,16 +65,16 @@ def _ckpt_epoch(out: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def straight(tmp_path_factory: pytest.TempPathFactory, train: Callable[..., subprocess.CompletedProcess]) -> dict:
     out = tmp_path_factory.mktemp("straight") / "run"
-    proc = _train(out)
+    proc = train(out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _epochs(out) == [1, 2, 3]
     return json.loads((out / "metrics.json").read_text())
 
 
-def _resume_matches(out: Path, straight: dict) -> None:
-    proc = _train(out, "resume=true")
+def _resume_matches(train: Callable[..., subprocess.CompletedProcess], out: Path, straight: dict) -> None:
+    proc = train(out, "resume=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _epochs(out) == [1, 2, 3]  # no epoch lost, none twice
     resumed = json.loads((out / "metrics.json").read_text())
@@ -79,36 +83,38 @@ def _resume_matches(out: Path, straight: dict) -> None:
 
 
 @pytest.mark.slow
-def test_kill_during_epoch_then_resume(straight: dict, tmp_path: Path) -> None:
+def test_kill_during_epoch_then_resume(train: Callable[..., subprocess.CompletedProcess], straight: dict,
+                                       tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = _train(out, fault="train_step:4")  # the last step of epoch 2
+    proc = train(out, fault="train_step:4")  # the last step of epoch 2
     assert proc.returncode == KILLED, proc.stderr[-3000:]
     assert not (out / "metrics.json").exists()
     assert _ckpt_epoch(out) == 1 and _epochs(out) == [1]
-    _resume_matches(out, straight)
+    _resume_matches(train, out, straight)
 
 
 @pytest.mark.slow
-def test_kill_inside_checkpoint_write_then_resume(straight: dict, tmp_path: Path) -> None:
+def test_kill_inside_checkpoint_write_then_resume(train: Callable[..., subprocess.CompletedProcess], straight: dict,
+                                                  tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = _train(out, fault="replace_checkpoint.pt:2")  # epoch 2's checkpoint written, not renamed
+    proc = train(out, fault="replace_checkpoint.pt:2")  # epoch 2's checkpoint written, not renamed
     assert proc.returncode == KILLED, proc.stderr[-3000:]
     assert len(list(out.glob(".checkpoint.pt.*.tmp"))) == 1  # the half-done write
     assert _ckpt_epoch(out) == 1  # the previous checkpoint is intact
     assert _epochs(out) == [1, 2]  # epoch 2 was logged before its checkpoint: resume drops it
-    _resume_matches(out, straight)
+    _resume_matches(train, out, straight)
 
 
 # --------------------------------------------------------------------------- Optuna worker
 
 
 @pytest.mark.slow
-def test_search_worker_killed_mid_trial_then_rerun(tmp_path: Path) -> None:
+def test_search_worker_killed_mid_trial_then_rerun(tmp_path: Path, tiny: tuple[str, ...]) -> None:
     import optuna
 
     from lessmem.search import make_storage
 
-    base = [a for a in TINY if not a.startswith(("compression=", "epochs="))] + ["epochs=1"]
+    base = [*tiny, "compression=none"]
     opts = {"study_name": "k", "out_dir": str(tmp_path / "s"), "n_trials": 2, "menu": "kernels",
             "budget": 0.6, "poll_s": 0.5, "sensitivity.batches": 1, "sensitivity.batch_size": 8,
             "base_overrides": base}

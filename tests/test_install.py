@@ -29,7 +29,7 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Completed
 
 
 @pytest.mark.slow
-def test_wheel_install_finds_configs_from_anywhere(tmp_path: Path) -> None:
+def test_wheel_install_finds_configs_from_anywhere(tmp_path: Path, tiny: tuple[str, ...]) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LESSMEM_CONF", "HYDRA_FULL_ERROR")}
     env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled", PIP_DISABLE_PIP_VERSION_CHECK="1")
     src = tmp_path / "src"
@@ -64,7 +64,6 @@ def test_wheel_install_finds_configs_from_anywhere(tmp_path: Path) -> None:
     assert "LessmemOptunaSweeper" in plugin.stdout
     info = _run([str(bin_dir / "lessmem-info"), "compression"], elsewhere, env)
     assert "pool4" in info.stdout
-    _run([str(bin_dir / "lessmem-train"), "dataset=synthetic", "dataset.size=16", "dataset.val_size=8",
-          "batch_size=8", "eval_batch_size=8", "memory_batch=2", "epochs=1", "max_steps_per_epoch=1",
-          "logger=disabled", "device=cpu", f"hydra.run.dir={elsewhere / 'run'}"], elsewhere, env)
+    _run([str(bin_dir / "lessmem-train"), *tiny, "max_steps_per_epoch=1", f"hydra.run.dir={elsewhere / 'run'}"],
+         elsewhere, env)
     assert json.loads((elsewhere / "run" / "metrics.json").read_text())["epochs"] == 1

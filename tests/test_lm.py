@@ -28,12 +28,6 @@ from lessmem.sensitivity import MenuOptions, measure_menu
 
 pytest.importorskip("transformers")
 
-# tiny_llama at width 64 on 1 MB of the stdlib, blocks of 32, 4 steps of 8: seconds per run.
-TINY_LM = (
-    "experiment=lm_quick", "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
-    "dataset.seq_len=32", "dataset.size_mb=1", "dataset.val_blocks=16", "batch_size=8", "eval_batch_size=8",
-    "memory_batch=4", "max_steps_per_epoch=4",
-)
 DATA = {"name": "stdlib_text", "root": None, "size_mb": 1, "val_every": 10, "seq_len": 32, "val_blocks": 16}
 
 
@@ -100,8 +94,8 @@ def test_block_shards_of_two_ranks_equal_one_process(tmp_path: Path) -> None:
         map(tuple, one.tolist()))
 
 
-def test_fixed_batches_are_a_training_loaders_first_batches() -> None:
-    cfg = compose_config([*TINY_LM, "seed=5"])
+def test_fixed_batches_are_a_training_loaders_first_batches(tiny_lm: tuple[str, ...]) -> None:
+    cfg = compose_config([*tiny_lm, "seed=5"])
     loader, _ = build_loaders(cfg.dataset, 4, 8, seed=5, max_steps=2)
     for (x, y), (fx, fy) in zip(loader, fixed_batches(cfg, 2, 4, seed=5), strict=True):
         assert torch.equal(x, fx) and torch.equal(y, fy)
@@ -114,11 +108,11 @@ def comparable(metrics: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
+def runs(tmp_path_factory: pytest.TempPathFactory, tiny_lm: tuple[str, ...]) -> dict[str, tuple[Path, dict]]:
     out = {}
     for name, overrides in (("stock", ["compression=none"]), ("pool2", ["compression=pool2"])):
         out_dir = tmp_path_factory.mktemp(name)
-        out[name] = out_dir, run(compose_config([*TINY_LM, *overrides, "epochs=2", f"out_dir={out_dir}"]))
+        out[name] = out_dir, run(compose_config([*tiny_lm, *overrides, "epochs=2", f"out_dir={out_dir}"]))
     return out
 
 
@@ -143,9 +137,9 @@ def test_lm_memory_is_measured_on_a_text_batch(runs: dict[str, tuple[Path, dict]
     assert metrics["stock_saved_bytes"] == runs["stock"][1]["saved_bytes"]
 
 
-def test_lm_resume_matches_straight_run(runs: dict[str, tuple[Path, dict]], tmp_path: Path,
+def test_lm_resume_matches_straight_run(runs: dict[str, tuple[Path, dict]], tiny_lm: tuple[str, ...], tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    overrides = [*TINY_LM, "compression=pool2", "epochs=2", f"out_dir={tmp_path}"]
+    overrides = [*tiny_lm, "compression=pool2", "epochs=2", f"out_dir={tmp_path}"]
     evaluate, calls = train_mod.evaluate, []
 
     def crash_in_epoch_2(*args: object, **kwargs: object) -> dict:
@@ -162,11 +156,11 @@ def test_lm_resume_matches_straight_run(runs: dict[str, tuple[Path, dict]], tmp_
     assert comparable(resumed) == comparable(runs["pool2"][1])
 
 
-def test_task_mismatch_is_a_clear_error() -> None:
+def test_task_mismatch_is_a_clear_error(tiny_lm: tuple[str, ...]) -> None:
     with pytest.raises(ValueError, match=r"model 'resnet20' \(classification\) does not fit dataset "
                                          r"'stdlib_text' \(causal_lm\); choose a causal_lm model"):
         task_of(compose_config(["experiment=lm_quick", "model=resnet20"]))
-    cfg = compose_config(TINY_LM)
+    cfg = compose_config(list(tiny_lm))
     cfg.dataset.task = "translation"
     with pytest.raises(ValueError, match=r"dataset.task must be one of \['classification', 'causal_lm'\], "
                                          r"got 'translation'"):
@@ -188,10 +182,10 @@ SMALL_LMS = {
 
 
 @pytest.mark.parametrize("name", list(SMALL_LMS))
-def test_sensitivity_predicts_the_pooled_lm_gradients(name: str) -> None:
+def test_sensitivity_predicts_the_pooled_lm_gradients(name: str, tiny_lm: tuple[str, ...]) -> None:
     """One stock backward with the next-token loss predicts each token linear's pooled weight gradient."""
     torch.manual_seed(0)
-    cfg = compose_config(TINY_LM)
+    cfg = compose_config(list(tiny_lm))
     model = build_model(name, 256, **SMALL_LMS[name])
     x, y = fixed_batches(cfg, 1, 4)[0]
     res = measure_menu(model.train(), [(x, y)], MenuOptions.kernel_only((1, 2)), loss_fn=task_of(cfg).criterion)
@@ -213,19 +207,19 @@ def test_sensitivity_predicts_the_pooled_lm_gradients(name: str) -> None:
     assert res.uniform("2")["ratio"] < 1
 
 
-def test_sensitivity_cli_on_the_lm(tmp_path: Path, run_cli: Callable[..., object]) -> None:
-    result = run_cli(sensitivity_main, "lessmem-sensitivity", *TINY_LM, "sensitivity.batches=2",
+def test_sensitivity_cli_on_the_lm(tmp_path: Path, run_cli: Callable[..., object], tiny_lm: tuple[str, ...]) -> None:
+    result = run_cli(sensitivity_main, "lessmem-sensitivity", *tiny_lm, "sensitivity.batches=2",
                      "sensitivity.batch_size=4", f"sensitivity.out={tmp_path}", "menu=kernels", "menu.kernels=[1,2]",
                      "sensitivity.budget=0.9")
     assert result.status == 0, result.stderr
     table = json.loads((tmp_path / "menu.json").read_text())
     assert "lm.model.layers.0.mlp.down_proj" in [i["name"] for i in table["items"]]
     generated = tmp_path / "menu_tiny_llama.yaml"
-    overrides = [*TINY_LM, f"compression.map_file={generated}", f"out_dir={tmp_path / 'run'}", "epochs=1"]
+    overrides = [*tiny_lm, f"compression.map_file={generated}", f"out_dir={tmp_path / 'run'}", "epochs=1"]
     assert math.isfinite(run(compose_config(overrides))["final_val_ppl"])
 
 
-def test_coverage_of_the_lm_runs_on_token_blocks() -> None:
-    report = coverage_for_config(compose_config([*TINY_LM, "compression=pool2"]))
+def test_coverage_of_the_lm_runs_on_token_blocks(tiny_lm: tuple[str, ...]) -> None:
+    report = coverage_for_config(compose_config([*tiny_lm, "compression=pool2"]))
     summary = report.summary()
     assert 0 < summary["compressed_bytes"] < summary["total_bytes"] < summary["stock_bytes"]

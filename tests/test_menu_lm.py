@@ -23,11 +23,6 @@ from lessmem.sensitivity import MenuOptions, MenuResult, measure_menu
 
 pytest.importorskip("transformers")
 
-TINY_LM = (
-    "experiment=lm_quick", "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
-    "dataset.seq_len=32", "dataset.size_mb=1", "dataset.val_blocks=16", "batch_size=8", "eval_batch_size=8",
-    "memory_batch=4", "max_steps_per_epoch=4",
-)
 SMALL_LMS = {
     "tiny_llama": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
                    "num_key_value_heads": 2, "max_position_embeddings": 32},
@@ -42,9 +37,9 @@ def applied(model: torch.nn.Module, choice) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module", params=list(SMALL_LMS))
-def lm(request: pytest.FixtureRequest) -> tuple[str, torch.nn.Module, tuple, MenuResult]:
+def lm(request: pytest.FixtureRequest, tiny_lm: tuple[str, ...]) -> tuple[str, torch.nn.Module, tuple, MenuResult]:
     torch.manual_seed(0)
-    cfg = compose_config(list(TINY_LM))
+    cfg = compose_config(list(tiny_lm))
     model = build_model(request.param, 256, **SMALL_LMS[request.param]).train()
     batch = fixed_batches(cfg, 1, 4)[0]
     options = MenuOptions(kernels=(1, 2), storages=("native", "int4", "int1"), act_storages=("int4",),
@@ -109,10 +104,11 @@ def test_batchnorm_int1_is_on_the_menu_and_its_bytes_are_exact() -> None:
     assert choice.score["bytes"] == lessmem.measure_memory(applied(model, choice), x).total_bytes
 
 
-def test_sensitivity_cli_measures_the_lm_menu_after_warm_up(tmp_path: Path, run_cli: Callable[..., object]) -> None:
+def test_sensitivity_cli_measures_the_lm_menu_after_warm_up(tmp_path: Path, run_cli: Callable[..., object],
+                                                             tiny_lm: tuple[str, ...]) -> None:
     from lessmem.cli.sensitivity import main
 
-    result = run_cli(main, "lessmem-sensitivity", *TINY_LM, "sensitivity.batches=2", "sensitivity.batch_size=4",
+    result = run_cli(main, "lessmem-sensitivity", *tiny_lm, "sensitivity.batches=2", "sensitivity.batch_size=4",
                      "sensitivity.warmup_steps=2", "menu.kernels=[1,2]", "menu.storages=[native,int4]",
                      "menu.norm_storages=[]", "menu.act_storages=[int4]", "menu.saved_storages=[int4,int1]",
                      "sensitivity.budget=0.3", "sensitivity.criterion=grad_error", f"sensitivity.out={tmp_path}")
@@ -122,6 +118,6 @@ def test_sensitivity_cli_measures_the_lm_menu_after_warm_up(tmp_path: Path, run_
     assert {i["kind"] for i in data["items"]} == {"linear", "act", "saved"}
     generated = tmp_path / "menu_tiny_llama.yaml"
     assert "saved_storage" in generated.read_text()
-    metrics = run(compose_config([*TINY_LM, f"compression.map_file={generated}", f"out_dir={tmp_path / 'run'}"]))
+    metrics = run(compose_config([*tiny_lm, f"compression.map_file={generated}", f"out_dir={tmp_path / 'run'}"]))
     assert math.isfinite(metrics["final_val_ppl"])
     assert metrics["ratio"] <= 0.3 + 1e-9

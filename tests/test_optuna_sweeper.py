@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import optuna
 import pytest
-import torch
 import yaml
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -26,29 +25,28 @@ from hydra_plugins.lessmem_optuna_sweeper._search_space import parse_search_spac
 from hydra_plugins.lessmem_optuna_sweeper._settings import SweepSettings
 from lessmem.cli.train import train_main
 
-TINY = ["model=resnet20", "dataset=synthetic", "dataset.size=32", "dataset.val_size=16",
-        "batch_size=16", "eval_batch_size=16", "memory_batch=2", "epochs=1", "logger=disabled",
-        "device=cpu"]
 SPACE = {"compression": CategoricalDistribution(["pool2", "pool4"]),
          "optimizer.lr": FloatDistribution(0.01, 0.3, log=True)}
 
 
 @pytest.fixture(autouse=True)
-def _fresh_hydra(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny convolutions: more threads only contend on a shared machine
+def _fresh_hydra() -> Iterator[None]:
     yield
-    torch.set_num_threads(threads)
     GlobalHydra.instance().clear()  # the sweep leaves Hydra initialized in this process
 
 
-def _sweep(monkeypatch: pytest.MonkeyPatch, sweep_dir: Path, *args: str) -> dict:
-    """``lessmem-train -m hydra/sweeper=lessmem_optuna ...`` in this process; the results file."""
-    monkeypatch.setattr(sys, "argv", ["lessmem-train", "-m", "hydra/sweeper=lessmem_optuna", *TINY,
-                                      f"hydra.sweep.dir={sweep_dir}", *args])
-    train_main()
-    return yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
+@pytest.fixture
+def sweep(monkeypatch: pytest.MonkeyPatch, tiny: tuple[str, ...]) -> Callable[..., dict]:
+    """``sweep(sweep_dir, *args)``: ``lessmem-train -m hydra/sweeper=lessmem_optuna`` on ``tiny`` in
+    this process; the results file."""
+
+    def run(sweep_dir: Path, *args: str) -> dict:
+        monkeypatch.setattr(sys, "argv", ["lessmem-train", "-m", "hydra/sweeper=lessmem_optuna", *tiny,
+                                          f"hydra.sweep.dir={sweep_dir}", *args])
+        train_main()
+        return yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
+
+    return run
 
 
 def _run_of(trial: FrozenTrial) -> tuple[dict, dict]:
@@ -68,13 +66,13 @@ def _dominates(a: list[float], b: list[float]) -> bool:  # maximize a[0], minimi
     return a[0] >= b[0] and a[1] <= b[1] and (a[0] > b[0] or a[1] < b[1])
 
 
-def test_multi_objective_sweep_resumes_its_study(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_multi_objective_sweep_resumes_its_study(sweep: Callable[..., dict], tmp_path: Path) -> None:
     journal = tmp_path / "study.journal"
     common = ["hydra.sweeper.sampler=random", "hydra.sweeper.seed=0", "hydra.sweeper.n_jobs=2",
               "hydra.sweeper.directions=[maximize,minimize]", "hydra.sweeper.objectives=[final_top1,ratio]",
               f"hydra.sweeper.storage={journal}", "hydra.sweeper.study_name=mo",
               "compression=choice(pool2,pool4)", "optimizer.lr=tag(log,interval(0.01,0.3))"]
-    results = _sweep(monkeypatch, tmp_path / "first", *common, "hydra.sweeper.n_trials=3")
+    results = sweep(tmp_path / "first", *common, "hydra.sweeper.n_trials=3")
 
     study = optuna.load_study(study_name="mo", storage=JournalStorage(JournalFileBackend(str(journal))))
     complete = study.get_trials(states=(TrialState.COMPLETE,))
@@ -95,7 +93,7 @@ def test_multi_objective_sweep_resumes_its_study(monkeypatch: pytest.MonkeyPatch
 
     # A sweep killed mid-trial leaves it RUNNING: the rerun fails it and runs its params again.
     left = study.ask(SPACE)
-    _sweep(monkeypatch, tmp_path / "second", *common, "hydra.sweeper.n_trials=4")
+    sweep(tmp_path / "second", *common, "hydra.sweeper.n_trials=4")
     study = optuna.load_study(study_name="mo", storage=JournalStorage(JournalFileBackend(str(journal))))
     complete = study.get_trials(states=(TrialState.COMPLETE,))
     assert len(complete) == 4 and study.trials[left.number].state == TrialState.FAIL
@@ -106,9 +104,9 @@ def test_multi_objective_sweep_resumes_its_study(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.slow
-def test_single_objective_sweep_maximizes_final_top1(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_single_objective_sweep_maximizes_final_top1(sweep: Callable[..., dict], tmp_path: Path) -> None:
     db = tmp_path / "study.db"
-    results = _sweep(monkeypatch, tmp_path / "sweep", "hydra.sweeper.n_trials=3", "hydra.sweeper.seed=1",
+    results = sweep(tmp_path / "sweep", "hydra.sweeper.n_trials=3", "hydra.sweeper.seed=1",
                      f"hydra.sweeper.storage=sqlite:///{db}", "hydra.sweeper.study_name=so",
                      "optimizer.lr=interval(0.01,0.3)", "compression=choice(pool2,pool4)")
     study = optuna.load_study(study_name="so", storage=f"sqlite:///{db}")
@@ -123,10 +121,9 @@ def test_single_objective_sweep_maximizes_final_top1(monkeypatch: pytest.MonkeyP
     assert best_metrics["final_top1"] == pytest.approx(results["best_value"])
 
 
-def test_a_failing_trial_is_marked_fail_and_the_grid_goes_on(monkeypatch: pytest.MonkeyPatch,
-                                                              tmp_path: Path) -> None:
+def test_a_failing_trial_is_marked_fail_and_the_grid_goes_on(sweep: Callable[..., dict], tmp_path: Path) -> None:
     journal = tmp_path / "study.journal"
-    results = _sweep(monkeypatch, tmp_path / "sweep", "hydra.sweeper.sampler=grid", "hydra.sweeper.n_trials=10",
+    results = sweep(tmp_path / "sweep", "hydra.sweeper.sampler=grid", "hydra.sweeper.n_trials=10",
                      f"hydra.sweeper.storage={journal}", "hydra.sweeper.study_name=grid",
                      "optimizer.lr=choice(0.05,-1.0)")  # SGD refuses a negative lr: ValueError
     study = optuna.load_study(study_name="grid", storage=JournalStorage(JournalFileBackend(str(journal))))

@@ -89,12 +89,10 @@ def _env(fault: str | None = None) -> dict[str, str]:
     return env
 
 
-def _search_args(out: Path, storage: str, n_trials: int) -> list[str]:
-    """Accuracy trials (the kill lands in training): resnet20, 64 synthetic images, one epoch of
-    two steps. Heartbeat every second, stale after 8 s: the killed trial is retried quickly."""
-    base = ["model=resnet20", "dataset=synthetic", "dataset.size=64", "dataset.val_size=32",
-            "batch_size=32", "eval_batch_size=32", "memory_batch=4", "epochs=1", "logger=disabled",
-            "device=cpu"]
+def _search_args(out: Path, storage: str, n_trials: int, tiny: tuple[str, ...]) -> list[str]:
+    """Accuracy trials (the kill lands in training) on ``tiny``, stock underneath. Heartbeat every
+    second, stale after 8 s: the killed trial is retried quickly."""
+    base = [*tiny, "compression=none"]
     # The URL is quoted: its '=' would end a Hydra override's value.
     opts = {"study_name": "pg", "out_dir": str(out), "storage": f"'{storage}'", "n_trials": n_trials,
             "menu": "kernels", "budget": 0.6, "poll_s": 0.5, "heartbeat_s": 1, "grace_s": 8,
@@ -115,13 +113,13 @@ def _finish(proc: subprocess.Popen) -> int:
 
 
 @pytest.mark.slow
-def test_three_workers_one_killed_mid_trial_then_rerun(postgres_url: str, tmp_path: Path) -> None:
+def test_three_workers_one_killed_mid_trial_then_rerun(postgres_url: str, tmp_path: Path, tiny: tuple[str, ...]) -> None:
     import optuna
 
     from lessmem.search import make_storage
 
     out, n = tmp_path / "s", 4
-    args = _search_args(out, postgres_url, n)
+    args = _search_args(out, postgres_url, n, tiny)
     # No tables yet: the three workers race to create them (make_storage retries the losers).
     workers = [_start(args, tmp_path) for _ in range(2)]
     doomed = _start(args, tmp_path, fault="train_step:1")

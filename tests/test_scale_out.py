@@ -14,9 +14,6 @@ import pytest
 import torch
 
 REPO = Path(__file__).parents[1]
-TINY = ["dataset=synthetic", "dataset.size=32", "dataset.val_size=16", "batch_size=16",
-        "eval_batch_size=16", "memory_batch=2", "epochs=1", "max_steps_per_epoch=1",
-        "logger=disabled", "device=cpu"]
 # BN-free (LayerNorm) ViT, one block of width 32, with every conv / linear input pooled 2x2:
 # torch's SyncBatchNorm is CUDA-only, and DDP without it keeps BatchNorm statistics per rank.
 TINY_VIT = ["model=vit_tiny_cifar", "+model.num_layers=1", "+model.hidden_dim=32", "+model.mlp_dim=64",
@@ -38,20 +35,20 @@ def _run(cmd: list[str], cwd: Path, timeout: int = 240) -> subprocess.CompletedP
 
 
 @pytest.mark.slow
-def test_joblib_multirun_two_parallel_jobs(tmp_path: Path) -> None:
+def test_joblib_multirun_two_parallel_jobs(tmp_path: Path, tiny: tuple[str, ...]) -> None:
     sweep = tmp_path / "sweep"
     _run([sys.executable, "-m", "lessmem.cli.train", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
-          "compression=none,pool2", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path)
+          *tiny, "compression=none,pool2", "max_steps_per_epoch=1", f"hydra.sweep.dir={sweep}"], tmp_path)
     results = sorted(sweep.glob("*/metrics.json"))
     assert len(results) == 2
     assert {json.loads(p.read_text())["compression"] for p in results} == {"none", "pool2"}
 
 
 @pytest.mark.slow
-def test_submitit_local_job(tmp_path: Path) -> None:
+def test_submitit_local_job(tmp_path: Path, tiny: tuple[str, ...]) -> None:
     sweep = tmp_path / "sweep"
     _run([sys.executable, "-m", "lessmem.cli.train", "-m", "hydra/launcher=submitit_local",
-          "hydra.launcher.timeout_min=5", "compression=pool2", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path)
+          "hydra.launcher.timeout_min=5", *tiny, "max_steps_per_epoch=1", f"hydra.sweep.dir={sweep}"], tmp_path)
     results = list(sweep.glob("*/metrics.json"))
     assert len(results) == 1 and json.loads(results[0].read_text())["compression"] == "pool2"
     assert list((sweep / ".submitit").rglob("*_result.pkl"))  # ran as a submitit job
@@ -121,25 +118,21 @@ def test_tensor_loader_shards_equal_global_batch() -> None:
 
 # --------------------------------------------------------------------------- Optuna workers
 
-SEARCH_BASE = ["model=resnet20", "dataset=synthetic", "dataset.size=64", "dataset.val_size=32",
-               "logger=disabled", "device=cpu"]
-
-
-def _search_args(out: Path, storage: str, n_trials: int) -> list[str]:
-    base = [*SEARCH_BASE, "epochs=1", "batch_size=32", "eval_batch_size=32", "memory_batch=4"]
+def _search_args(out: Path, storage: str, n_trials: int, tiny: tuple[str, ...]) -> list[str]:
+    base = [*tiny, "compression=none"]
     args = {"out_dir": str(out), "storage": storage, "n_trials": n_trials, "budget": 0.6, "poll_s": 0.5,
             "sensitivity.batches": 1, "sensitivity.batch_size": 8, "base_overrides": base}
     return ["menu=kernels", *(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in args.items())]
 
 
 @pytest.mark.slow
-def test_two_search_workers_share_fixed_trial_count(tmp_path: Path) -> None:
+def test_two_search_workers_share_fixed_trial_count(tmp_path: Path, tiny: tuple[str, ...]) -> None:
     import optuna
 
     from lessmem.search import make_storage
 
     out, n = tmp_path / "s", 4
-    args = _search_args(out, str(out / "study.journal"), n)
+    args = _search_args(out, str(out / "study.journal"), n, tiny)
     cmd = [sys.executable, "-m", "lessmem.cli.search", "-cd", str(REPO / "sweeps"), "-cn", "train_resnet20",
            "worker=true", *args]
     procs = [subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -168,11 +161,13 @@ def test_worker_stale_handling_spares_live_trials(tmp_path: Path) -> None:
     from lessmem.search import Heartbeat, fail_dead_trials, make_storage
 
     study = optuna.create_study(study_name="w", storage=make_storage(tmp_path / "j.journal"))
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True).stdout.strip()
+    # The process boundary is the point: a pid the OS reports gone needs a process that has exited.
+    with subprocess.Popen([sys.executable, "-S", "-c", ""]) as exited:
+        pass
+    dead = exited.pid
     live, gone = study.ask({"x": optuna.distributions.IntDistribution(0, 9)}), study.ask({"x": optuna.distributions.IntDistribution(0, 9)})
     live.set_user_attr("worker", {"host": socket.gethostname(), "pid": os.getpid()})
-    gone.set_user_attr("worker", {"host": socket.gethostname(), "pid": int(dead)})
+    gone.set_user_attr("worker", {"host": socket.gethostname(), "pid": dead})
     fresh = study.ask()  # no worker recorded yet, just started: within the grace period
     assert fail_dead_trials(study, grace_s=60) == [gone.number]
     states = {t.number: t.state.name for t in study.trials}

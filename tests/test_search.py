@@ -17,18 +17,21 @@ from lessmem.search import check_criterion, run_search
 from lessmem.search.run import check_search, open_search_study
 from lessmem.sensitivity import MenuOptions, measure_menu
 
-BASE = ["model=resnet20", "dataset=synthetic", "dataset.size=64", "dataset.val_size=32",
-        "logger=disabled", "device=cpu", "epochs=1", "batch_size=32", "eval_batch_size=32", "memory_batch=4"]
+
+@pytest.fixture
+def base(tiny: tuple[str, ...]) -> list[str]:
+    """The stock tiny run each trial's map goes on top of."""
+    return [*tiny, "compression=none"]
 
 
-def search_cfg(tmp_path, *over: str):
+def search_cfg(tmp_path, base: list[str], *over: str):
     """A search config composed as lessmem-search composes it (conf/search.yaml)."""
     return compose_config(["study_name=t", f"out_dir={tmp_path / 's'}", "n_trials=3", "budget=0.4",
-                           "criterion=grad_error", f"base_overrides={json.dumps(BASE)}", *over], "search")
+                           "criterion=grad_error", f"base_overrides={json.dumps(base)}", *over], "search")
 
 
-def menu_file(tmp_path):
-    cfg = compose_config(BASE)
+def menu_file(tmp_path, base: list[str]):
+    cfg = compose_config(base)
     torch.manual_seed(0)
     options = MenuOptions(kernels=(1, 2, 4), storages=("native", "int8", "int4"), norm_storages=("int8", "int4"),
                           act_storages=())
@@ -37,14 +40,14 @@ def menu_file(tmp_path):
     return menu, tmp_path / "menu" / "menu.json"
 
 
-def test_menu_search_trains_knapsack_variations_within_budget(tmp_path, monkeypatch) -> None:
+def test_menu_search_trains_knapsack_variations_within_budget(tmp_path, monkeypatch, base) -> None:
     """Trial 0 is the criterion's own map, every trial's map fits the budget (its bytes predicted
     exactly: equal to the run's measured saved bytes), a map met again is not retrained, the best
     map is a file a run can use, and a rerun with a trial left RUNNING resumes the same study."""
     from lessmem.search.objective import Objective, weight_param
 
-    menu, path = menu_file(tmp_path)
-    s = search_cfg(tmp_path, f"menu_file={path}")
+    menu, path = menu_file(tmp_path, base)
+    s = search_cfg(tmp_path, base, f"menu_file={path}")
     # A second seed scaling every unit alike: the same knapsack answer, so trained once only.
     seeds = Objective.seeds
     monkeypatch.setattr(Objective, "seeds", lambda self: {
@@ -69,25 +72,25 @@ def test_menu_search_trains_knapsack_variations_within_budget(tmp_path, monkeypa
         assert (out / name).is_file(), name
     with Image.open(out / "search.png") as im:
         im.verify()
-    best = compose_config([*BASE, f"compression.map_file={out / 'best_map.yaml'}"])
+    best = compose_config([*base, f"compression.map_file={out / 'best_map.yaml'}"])
     assert best.compression.map_file
     # Resume: a trial left RUNNING (a killed process) fails, its params run again; done trials stay.
     study.ask({weight_param(u): optuna.distributions.FloatDistribution(-2, 2) for u in menu.unit_items()})
-    summary = run_search(search_cfg(tmp_path, f"menu_file={path}", "n_trials=4"))
+    summary = run_search(search_cfg(tmp_path, base, f"menu_file={path}", "n_trials=4"))
     study, _ = open_search_study(s)
     states = [t.state for t in study.trials]
     assert summary["complete_trials"] == 4 and states.count(optuna.trial.TrialState.FAIL) == 1
 
 
-def test_search_config_errors(tmp_path) -> None:
+def test_search_config_errors(tmp_path, base) -> None:
     with pytest.raises(ValueError, match="unknown criterion 'top1'"):
         check_criterion("top1")
     with pytest.raises(ValueError, match=r"budget is a fraction of stock saved bytes in \(0, 1\]"):
-        check_search(search_cfg(tmp_path, "budget=2"))
+        check_search(search_cfg(tmp_path, base, "budget=2"))
     with pytest.raises(FileNotFoundError, match="menu_file .* does not exist"):
-        check_search(search_cfg(tmp_path, f"menu_file={tmp_path / 'none.json'}"))
+        check_search(search_cfg(tmp_path, base, f"menu_file={tmp_path / 'none.json'}"))
     with pytest.raises(ValueError, match="pruner.name must be one of"):
-        check_search(search_cfg(tmp_path, "pruner.name=asha"))
+        check_search(search_cfg(tmp_path, base, "pruner.name=asha"))
 
 
 def test_search_without_a_config_is_a_usage_error(monkeypatch, capsys) -> None:
@@ -101,7 +104,7 @@ def test_search_without_a_config_is_a_usage_error(monkeypatch, capsys) -> None:
     assert len(err) == 1 and err[0].startswith("lessmem-search: error: no search config")
 
 
-def test_search_command_runs_a_sweeps_config(tmp_path, run_cli) -> None:
+def test_search_command_runs_a_sweeps_config(tmp_path, run_cli, base) -> None:
     """``lessmem-search -cd sweeps -cn menu_resnet20`` as documented, on tiny data: the sweep's own
     menu file, criterion, score and pruner; the report lands in out_dir. A budget below the menu's
     smallest map is one error line before any trial."""
@@ -111,7 +114,7 @@ def test_search_command_runs_a_sweeps_config(tmp_path, run_cli) -> None:
 
     repo = Path(__file__).parents[1]
     cmd = ["-cd", str(repo / "sweeps"), "-cn", "menu_resnet20", "n_trials=1",
-           f"menu_file={repo / 'docs/results/criterion_check/menu/menu.json'}", f"base_overrides={json.dumps(BASE)}"]
+           f"menu_file={repo / 'docs/results/criterion_check/menu/menu.json'}", f"base_overrides={json.dumps(base)}"]
     result = run_cli(search.main, "lessmem-search", *cmd, f"out_dir={tmp_path / 's'}")
     assert result.status == 0, result.stderr
     summary = json.loads((tmp_path / "s" / "summary.json").read_text())

@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 
 import lessmem.experiment.train as train_mod
 from lessmem.cli.train import train_main
+from lessmem.experiment import compose_config
 from lessmem.experiment.compression import resolve_compression
 from lessmem.experiment.paths import conf_dir
 from lessmem.experiment.train import TIME_KEYS, run
@@ -125,17 +126,11 @@ def test_cli_unknown_group_option_is_clear(tmp_path: Path, run_cli) -> None:
 
 
 @pytest.mark.slow
-def test_wandb_offline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wandb_offline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny: tuple[str, ...]) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")  # CI exports WANDB_MODE=disabled
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
     out = tmp_path / "run"
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        cfg = compose("train", overrides=[
-            "logger=wandb", "logger.mode=offline", "dataset=synthetic", "dataset.size=32",
-            "dataset.val_size=16", "batch_size=16", "memory_batch=4", "epochs=1", "device=cpu",
-            f"out_dir={out}",
-        ])
-    metrics = run(cfg)
+    metrics = run(compose_config([*tiny, "logger=wandb", "logger.mode=offline", f"out_dir={out}"]))
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, list(out.rglob("*"))[:20]
     assert (out / "wandb_id.txt").read_text().strip() in runs[0].name
@@ -143,7 +138,8 @@ def test_wandb_offline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert metrics["epochs"] == 1
 
 
-def test_coverage_report_written_and_logged_as_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_coverage_report_written_and_logged_as_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      tiny: tuple[str, ...]) -> None:
     from lessmem.experiment.loggers import WandbLogger
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -157,13 +153,8 @@ def test_coverage_report_written_and_logged_as_table(tmp_path: Path, monkeypatch
 
     monkeypatch.setattr(WandbLogger, "table", spy)
     out = tmp_path / "run"
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        cfg = compose("train", overrides=[
-            "logger=wandb", "logger.mode=offline", "dataset=synthetic", "dataset.size=32",
-            "dataset.val_size=16", "batch_size=16", "memory_batch=4", "epochs=1", "device=cpu",
-            "compression=pool4", "coverage=true", f"out_dir={out}",
-        ])
-    run(cfg)
+    run(compose_config([*tiny, "logger=wandb", "logger.mode=offline", "compression=pool4", "coverage=true",
+                        f"out_dir={out}"]))
     for name in ("coverage.csv", "coverage.json", "coverage.png"):
         assert (out / name).stat().st_size > 0
     rows = tables["coverage"]
@@ -173,15 +164,9 @@ def test_coverage_report_written_and_logged_as_table(tmp_path: Path, monkeypatch
 
 
 @pytest.mark.slow
-def test_compile_true_trains(tmp_path: Path) -> None:
+def test_compile_true_trains(tmp_path: Path, tiny: tuple[str, ...]) -> None:
     """compile=true: the compressed layers are traced as custom ops (minutes of compile on CPU)."""
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        cfg = compose("train", overrides=[
-            "logger=disabled", "dataset=synthetic", "dataset.size=64", "dataset.val_size=32",
-            "batch_size=32", "memory_batch=4", "epochs=1", "device=cpu", "compression=pool2",
-            "compile=true", f"out_dir={tmp_path}",
-        ])
-    metrics = run(cfg)
+    metrics = run(compose_config([*tiny, "compile=true", f"out_dir={tmp_path}"]))
     assert metrics["epochs"] == 1 and 0.0 <= metrics["final_top1"] <= 1.0
 
 
