@@ -6,7 +6,9 @@
 Inputs (each optional; a missing one becomes a "pending" note, never an error):
   docs/results/memory.csv          python benchmarks/memory.py --csv docs/results/memory.csv
   docs/results/resnet18_per_layer.csv   measured here once (lessmem.measure_memory), then reused
-  multirun/cifar10_resnet20_4ep    three lessmem.train runs (none, pool2, pool4), 4 epochs (CIFAR_CMD)
+  multirun/cifar10_resnet20_4ep    three lessmem.train runs (none, pool2, pool4), 4 epochs (CIFAR_CMD);
+                                   without it, the report it left in docs/results/cifar10_resnet20/
+  docs/results/proof_tiny_llama/   summary.json and runs.json of the tiny Llama proof
   docs/results/search_*/summary.json, sensitivity_*/, vit_*.md   (search / sensitivity / ViT docs)
 Outputs: docs/RESULTS.md, docs/results/memory_ratio.png, docs/results/resnet18_per_layer.png,
 docs/results/cifar10_resnet20/{table.md,table.csv,memory_vs_accuracy.png,accuracy_curves.png}.
@@ -24,6 +26,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from lm_proof_section import lm_proof_section
 from per_layer import per_layer_memory
 
 from lessmem import reporting as R
@@ -107,8 +110,23 @@ def per_layer_section(results: Path, docs: Path, measure: bool, batch: int) -> l
     return lines + [""]
 
 
+def committed_cifar(out: Path) -> tuple[list[dict], str, dict[str, Path]]:
+    """The report a finished multirun left in ``out`` (table.csv / table.md / PNGs are tracked; the
+    multirun is not): its rows, its table and its figures."""
+    with (out / "table.csv").open() as f:
+        rows = [{**r, "top1": float(r["top1"]) if r["top1"] else None, "epochs": int(r["epochs"]),
+                 "epochs_planned": int(r["epochs"]), "complete": r.get("complete", "True") == "True"}
+                for r in csv.DictReader(f)]
+    table = (out / "table.md").read_text().split("\n\n", 1)[1]  # its title is this section's own
+    return rows, table, {p.name: p for p in sorted(out.glob("*.png"))}
+
+
 def cifar_section(cifar: Path, results: Path, docs: Path) -> tuple[list[str], list[dict]]:
+    out = results / "cifar10_resnet20"
     rows = R.load_runs(cifar)
+    committed = not rows and (out / "table.csv").is_file()
+    if committed:
+        rows, table, files = committed_cifar(out)
     epochs = sorted({int(r.get("epochs_planned") or 0) for r in rows} - {0}) or [4]
     head = [f"Command (full CIFAR-10: 50k train / 10k test images, augmentation on, SGD lr 0.1, Nesterov momentum 0.9, weight decay 5e-4, "
             f"cosine over {'/'.join(map(str, epochs))} epochs, batch 128, fp32, seed 0, saved bytes measured "
@@ -117,15 +135,16 @@ def cifar_section(cifar: Path, results: Path, docs: Path) -> tuple[list[str], li
     if not rows:
         return head + [f"*Pending: no runs under `{rel(cifar, REPO)}` yet. Rerun "
                        "`python analysis/make_results.py` once the multirun has finished.*", ""], []
-    out = results / "cifar10_resnet20"
-    if out.exists():
-        shutil.rmtree(out)
     running = [r["name"] for r in rows if not r.get("complete", True)]
-    done = min(int(r.get("epochs") or 0) for r in rows)
-    title = f"resnet20, CIFAR-10, {'/'.join(map(str, epochs))} epochs (CPU)" + (
-        f" - PARTIAL, >= {done} epoch(s) done" if running else "")
-    rep = R.report_dir(cifar, out, title=title)
-    lines = head + [rep["markdown"]]
+    if not committed:  # the multirun is here: its report afresh into docs/results/cifar10_resnet20
+        if out.exists():
+            shutil.rmtree(out)
+        done = min(int(r.get("epochs") or 0) for r in rows)
+        title = f"resnet20, CIFAR-10, {'/'.join(map(str, epochs))} epochs (CPU)" + (
+            f" - PARTIAL, >= {done} epoch(s) done" if running else "")
+        rep = R.report_dir(cifar, out, title=title)
+        table, files = rep["markdown"], rep["files"]
+    lines = head + [table]
     if running:
         lines += [f"*Still running when this file was generated: {', '.join(running)} — numbers are "
                   "from the epochs finished so far.*", ""]
@@ -136,8 +155,8 @@ def cifar_section(cifar: Path, results: Path, docs: Path) -> tuple[list[str], li
             if r is not base and r.get("top1") is not None) + ". Baseline of `ratio to stock`: the same "
             "resnet20 with no compression, saved-for-backward bytes on a batch of 32.", ""]
     for name in ("accuracy_curves.png", "memory_vs_accuracy.png"):
-        if name in rep["files"]:
-            lines += [f"![{name}]({rel(rep['files'][name], docs)})", ""]
+        if name in files:
+            lines += [f"![{name}]({rel(files[name], docs)})", ""]
     return lines, rows
 
 
@@ -255,6 +274,9 @@ FOLDERS = [
     "| [results/budget_proof_long](results/budget_proof_long/summary.md) | `python analysis/proof.py --out "
     "docs/results/budget_proof_long --reuse docs/results/proof --configs chosen_4x4 int8_bn8 stock` "
     "| `python analysis/proof_summary.py docs/results/budget_proof_long` |",
+    "| [results/proof_tiny_llama](results/proof_tiny_llama/summary.md) | `python analysis/proof.py --model "
+    "tiny_llama --out docs/results/proof_tiny_llama --budgets 0.25 --search-trials 0 --uniform-per-budget 1` "
+    "(+ the `lossy_int8` runs, see its summary) | `python analysis/proof_summary.py docs/results/proof_tiny_llama` |",
     "| [results/speed_raw.md](results/speed_raw.md) | the `python benchmarks/speed.py ...` line heading "
     "each output | [results/speed.md](results/speed.md) (hand-written) |",
     "",
@@ -286,10 +308,11 @@ def build(args: argparse.Namespace) -> str:
         "",
         "**Hardware.** " + f"{os.cpu_count()}-core CPU ({cpu_name()}), no GPU; Python "
         f"{platform.python_version()}, torch {torch.__version__}. Because there is no GPU, every memory "
-        "figure here is **saved-for-backward bytes** (unique storages autograd keeps after the forward "
-        "pass, counted by `lessmem.measure_memory`; parameters and buffers excluded) — *not* CUDA peak "
-        "memory. The GPU peak measurement (`cuda_peak_bytes`, filled automatically by `measure_memory` "
-        "and `lessmem.train` on CUDA) is **pending a GPU**.",
+        "figure here is **saved-for-backward bytes** (what the autograd graph keeps after the forward pass "
+        "beyond what the caller holds: parameters, buffers and the input batch are not counted; counted by "
+        "`lessmem.measure_memory`) — *not* CUDA peak memory. The paper's measure, the whole training step's "
+        "peak, is measured on the CPU allocator in [results/peak_memory.md](results/peak_memory.md) and "
+        "recorded by every `lessmem-train` run (`step_peak_ratio`); CUDA figures are **pending a GPU**.",
         "",
         "## Paper vs ours (ResNet18)",
         "",
@@ -344,6 +367,9 @@ def build(args: argparse.Namespace) -> str:
         "## Maps at a memory budget: the compressor menu and its criterion (resnet20, CIFAR-10)",
         "",
         *budget_section(results, docs),
+        "## Language model at 0.25x saved bytes: unbiased codes and the menu's map (tiny Llama, 8 paired seeds)",
+        "",
+        *lm_proof_section(results / "proof_tiny_llama", docs),
         "## Vision transformers",
         "",
         "Baseline: the stock model (same batch). vit_b_16: batch 8, 224×224, random init "

@@ -267,6 +267,31 @@ def test_make_results_handles_missing_and_present(sweep: Path, tmp_path: Path, m
     for name in ("accuracy_curves.png", "memory_vs_accuracy.png"):
         valid_png(results / "cifar10_resnet20" / name)
         assert f"results/cifar10_resnet20/{name}" in text
+    # A checkout without the multirun: the section comes from the report it left in docs/results.
+    assert mk.main([*common, "--cifar", str(tmp_path / "nope")]) == 0
+    assert "Pending: no runs" not in out.read_text()
+    assert cifar_results(out.read_text()) == cifar_results(text)
+
+
+def cifar_results(page: str) -> str:
+    """RESULTS.md's CIFAR-10 section after its commands (they name the ``--cifar`` directory)."""
+    section = page.split("## CIFAR-10")[1].split("## Layer sensitivity")[0]
+    return section.split("python analysis/report.py", 1)[1].split("\n", 1)[1]
+
+
+def test_make_results_lm_section_is_the_tracked_proof(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny Llama section: every row of docs/results/proof_tiny_llama/summary.json, from the tracked files."""
+    monkeypatch.syspath_prepend(str(ANALYSIS))
+    section = script("lm_proof_section").lm_proof_section(REPO / "docs" / "results" / "proof_tiny_llama", REPO / "docs")
+    summary = json.loads((REPO / "docs" / "results" / "proof_tiny_llama" / "summary.json").read_text())
+    text = "\n".join(section)
+    assert "[summary](results/proof_tiny_llama/summary.md)" in text
+    rows = [row for budget in summary["budgets"].values() for row in budget["rows"]]
+    for row in rows:
+        assert f"| {row['config']} | {row['ratio']:.3f} | {row['mean']:.2f} ± {row['std']:.2f} |" in text
+    knapsack = next(row["vs_best_uniform"] for row in rows if "vs_best_uniform" in row)
+    assert f"p = {knapsack['p']:.2f}" in text
+    assert script("lm_proof_section").lm_proof_section(tmp_path, REPO / "docs")[0].startswith("*Not run yet")
 
 
 def test_hydra_sweep_callback(sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
