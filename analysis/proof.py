@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobs import REPO, Job, schedule, train_job
+from repo_paths import relative_to_repo
 
 from lessmem.sensitivity import CRITERIA, DEFAULT_CRITERION, MapChoice, MenuResult, write_map_yaml
 
@@ -255,9 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, choice in maps.items():
         write_map(out, name, choice, f"{args.model} proof map {name}")
     jobs = jobs_for(out, preset, args, configs, menu_path)
-    (out / "proof.json").write_text(json.dumps(layout(preset, args.model, configs, args.budgets, menu_path)
-                                               | {"criterion": args.criterion, "seeds": args.seeds,
-                                                  "criterion_check": bool(args.criterion_check)}, indent=1))
+    (out / "proof.json").write_text(json.dumps(relative_to_repo(
+        layout(preset, args.model, configs, args.budgets, menu_path)
+        | {"criterion": args.criterion, "seeds": args.seeds, "criterion_check": bool(args.criterion_check)}), indent=1))
     schedule(jobs, args.workers, args.threads, out)
     if args.criterion_check:
         from criterion_summary import summarize

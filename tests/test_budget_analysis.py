@@ -129,6 +129,22 @@ def test_compact_runs_keeps_reuse_notes_adaptive_maps_and_the_stock_schedule(tmp
     assert compact.main([]) == 2 and compact.main([str(tmp_path)]) == 2  # nothing given / no runs/ to compact
 
 
+def test_compact_runs_writes_paths_relative_to_the_repository(tmp_path: Path) -> None:
+    """runs.json names no directory of the machine that ran the runs: a run's map file and out_dir,
+    a map's header, all relative to the checkout."""
+    root = REPO.resolve()
+    write_run(tmp_path, "chosen", 0, 60.0, 0.5)
+    source = root / "docs" / "results" / "x" / "maps" / "chosen.yaml"
+    (tmp_path / "runs" / "chosen" / "seed0" / "metrics.json").write_text(
+        json.dumps({"final_top1": 0.6, "ratio": 0.5, "compression_source": str(source)}))
+    (tmp_path / "maps").mkdir()
+    (tmp_path / "maps" / "chosen.yaml").write_text(f"# from {root / 'docs/results/x/menu/menu.json'}\nmap: {{}}\n")
+    table = importlib.import_module("compact_runs").compact(tmp_path)
+    assert table["runs"]["chosen"]["0"]["compression_source"] == "docs/results/x/maps/chosen.yaml"
+    assert table["maps"]["chosen"].startswith("# from docs/results/x/menu/menu.json\n")
+    assert f"{root}/" not in (tmp_path / "runs.json").read_text()
+
+
 PUBLISHED = {"budget_proof": "proof_summary", "budget_proof_long": "proof_summary",
              "criterion_check": "criterion_summary", "proof": "proof_2x2_summary",
              "proof_tiny_llama": "proof_summary"}
