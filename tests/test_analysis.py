@@ -18,7 +18,7 @@ from lessmem.experiment.train import run
 
 REPO = Path(__file__).parents[1]
 ANALYSIS = REPO / "analysis"
-# 64 synthetic images, 2 steps of 32, 1 epoch: about a second per run.
+
 
 def valid_png(path: Path) -> None:
     assert path.is_file(), path
