@@ -47,7 +47,11 @@ LossFn = Callable[[Tensor, Tensor], Tensor]
 # BatchNorm / GELU / SiLU inputs: int8 and int2, one probe pass each.
 FIT_MENU = MenuOptions(kernels=(1, 2, 4), storages=("native", "bf16", "int8", "int4", "int2"),
                        norm_storages=("int8", "int2"), act_storages=("int8", "int2"))
-MENU_BATCH = 8  # samples the menu is measured on; its bytes are scaled to the whole batch
+# The menu is measured on a sub-batch of 1/MENU_FRACTION of the batch (1 to MENU_MAX_SAMPLES samples),
+# its bytes scaled to the whole batch: each lossy probe is a forward/backward, so on the whole batch
+# the menu alone would cost tens of training steps.
+MENU_FRACTION = 16
+MENU_MAX_SAMPLES = 8
 STATIC_CATEGORIES = ("parameters", "gradients", "optimizer_state")
 CLOSE_ENOUGH = 0.9  # a verified map at or above this fraction of the budget ends the search
 
@@ -94,6 +98,7 @@ class BudgetProfile:
 
     batch_size: int
     stock_peak: int
+    stock_live: int  # bytes the profiler files as activations at stock's peak
     menu: MenuResult | None = None
     floor_map: MapChoice | None = None
     floor_peak: int | None = None
@@ -143,9 +148,10 @@ def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | floa
             break
         tried.add(saved)
         predicted = int(profile.peaks.predict(saved))
-        measured = step.peak(_plan(choice)).peak_bytes
+        report = step.peak(_plan(choice))
+        measured = report.peak_bytes
         verified += 1
-        profile.peaks.add(saved, measured)
+        profile.peaks.add(saved, measured, report.by_category.get("activations", 0))
         _save(cache_file, profile)
         if measured <= budget_bytes:
             if best is None or measured > best[2]:
@@ -178,7 +184,11 @@ def _profile(model: nn.Module, batch: tuple[Tensor, Tensor], optimizer: Optimize
              amp_dtype: torch.dtype | None) -> tuple[_Stepper, Path, BudgetProfile]:
     step = _Stepper(model, batch, optimizer, loss_fn, amp_dtype)
     cache_file = default_cache_dir() / f"{step.key()}.json"
-    return step, cache_file, _load(cache_file) or BudgetProfile(len(batch[0]), step.peak(None).peak_bytes)
+    profile = _load(cache_file)
+    if profile is None:
+        stock = step.peak(None)
+        profile = BudgetProfile(len(batch[0]), stock.peak_bytes, stock.by_category.get("activations", 0))
+    return step, cache_file, profile
 
 
 def largest_batch(peaks: PeakModel, saved: float, batch_size: int, budget_bytes: float) -> int:
@@ -197,16 +207,21 @@ def _plan(choice: MapChoice) -> CompressionPlan:
 def _measure_floor(profile: BudgetProfile, step: _Stepper, batch: tuple[Tensor, Tensor], loss_fn: LossFn,
                    criterion: str) -> None:
     """The menu (on a sub-batch, bytes scaled up), stock's and the smallest map's points."""
-    n = min(MENU_BATCH, len(batch[0]))
+    n = menu_samples(len(batch[0]))
     net = copy.deepcopy(step.model).train()
     menu = measure_menu(net, [(batch[0][:n], batch[1][:n])], FIT_MENU, loss_fn)
     profile.menu = scaled_menu(menu, len(batch[0]) / n)
-    profile.peaks.add(profile.menu.stock_bytes, profile.stock_peak)
+    profile.peaks.add(profile.menu.stock_bytes, profile.stock_peak, profile.stock_live)
     profile.floor_map = smallest_map(profile.menu, criterion)
     report = step.peak(_plan(profile.floor_map))
     profile.floor_peak = report.peak_bytes
-    profile.peaks.add(profile.floor_map.score["bytes"], report.peak_bytes)
+    profile.peaks.add(profile.floor_map.score["bytes"], report.peak_bytes, report.by_category.get("activations", 0))
     profile.peaks.static_bytes = float(sum(report.by_category.get(c, 0) for c in STATIC_CATEGORIES))
+
+
+def menu_samples(batch_size: int) -> int:
+    """Samples of a batch of ``batch_size`` the menu is measured on."""
+    return max(1, min(MENU_MAX_SAMPLES, batch_size // MENU_FRACTION, batch_size))
 
 
 def scaled_menu(menu: MenuResult, factor: float) -> MenuResult:
@@ -266,13 +281,13 @@ class _Stepper:
                   "batch": [(list(t.shape), str(t.dtype)) for t in self.batch], "device": str(self.batch[0].device),
                   "optimizer": opt, "loss": getattr(self.loss_fn, "__qualname__", type(self.loss_fn).__name__),
                   "amp": str(self.amp_dtype), "torch": torch.__version__,
-                  "menu": [asdict(FIT_MENU), MENU_BATCH]}
+                  "menu": [asdict(FIT_MENU), menu_samples(len(self.batch[0]))]}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _save(path: Path, profile: BudgetProfile) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"batch_size": profile.batch_size, "stock_peak": profile.stock_peak,
+    data = {"batch_size": profile.batch_size, "stock_peak": profile.stock_peak, "stock_live": profile.stock_live,
             "menu": profile.menu.to_dict() if profile.menu else None,
             "floor_map": vars(profile.floor_map) if profile.floor_map else None, "floor_peak": profile.floor_peak,
             "points": profile.peaks.points, "static_bytes": profile.peaks.static_bytes}
@@ -287,7 +302,7 @@ def _load(path: Path) -> BudgetProfile | None:
     try:
         d: Mapping[str, Any] = json.loads(path.read_text())
         return BudgetProfile(
-            int(d["batch_size"]), int(d["stock_peak"]),
+            int(d["batch_size"]), int(d["stock_peak"]), int(d["stock_live"]),
             MenuResult.from_dict(d["menu"]) if d["menu"] else None,
             MapChoice(**d["floor_map"]) if d["floor_map"] else None, d["floor_peak"],
             PeakModel([tuple(p) for p in d["points"]], float(d["static_bytes"])))
