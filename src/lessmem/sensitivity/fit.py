@@ -4,8 +4,9 @@
     lessmem.compress(model, choice)
 
 Steps: measure stock's whole-step peak (it fits: nothing to compress); measure the menu on a
-sub-batch of the batch (bytes scaled to the whole batch) and the whole-step peak of the menu's
-smallest map (the floor: above the budget, nothing fits); from those measured steps a
+sub-batch of the batch (bytes scaled to the whole batch), the whole-step peak of the menu's
+smallest map (the floor: above the budget, nothing fits) and of a map halfway between in saved
+bytes; from those measured steps a
 ``PeakModel`` predicts a map's peak from its saved bytes, the knapsack picks the map of least
 criterion whose saved bytes the model says fit, and one real step verifies it; a map over the
 budget adds its point to the model and the next pick is tighter. The menu and every measured
@@ -56,7 +57,7 @@ STATIC_CATEGORIES = ("parameters", "gradients", "optimizer_state")
 CLOSE_ENOUGH = 0.9  # a verified map at or above this fraction of the budget ends the search
 
 
-# Real steps measured to verify (and tighten) a choice before it is taken as is.
+# Maps tried (each verified by a real step unless measured before) before a choice is taken as is.
 MAX_VERIFIED = 4
 
 
@@ -78,7 +79,7 @@ class BudgetChoice(CompressionPlan):
     saved_bytes: int = 0  # predicted saved-for-backward bytes
     score: dict[str, float] = field(default_factory=dict)
     criterion: str = DEFAULT_CRITERION
-    verified: int = 0  # maps measured by a real step in this search
+    verified: int = 0  # maps measured by a real step in this search (0: the map's peak was measured before)
 
     @property
     def label(self) -> str:
@@ -98,7 +99,6 @@ class BudgetProfile:
 
     batch_size: int
     stock_peak: int
-    stock_live: int  # bytes the profiler files as activations at stock's peak
     menu: MenuResult | None = None
     floor_map: MapChoice | None = None
     floor_peak: int | None = None
@@ -141,18 +141,20 @@ def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | floa
     tried: set[float] = set()
     verified = 0
     target = profile.peaks.saved_for(budget_bytes)
-    while verified < MAX_VERIFIED:
+    while len(tried) < MAX_VERIFIED:
         choice = profile.menu.make_map(max(target, least), criterion)
         saved = choice.score["bytes"]
         if saved in tried:
             break
         tried.add(saved)
         predicted = int(profile.peaks.predict(saved))
-        report = step.peak(_plan(choice))
-        measured = report.peak_bytes
-        verified += 1
-        profile.peaks.add(saved, measured, report.by_category.get("activations", 0))
-        _save(cache_file, profile)
+        measured = dict(profile.peaks.points).get(saved)  # a map already measured needs no step
+        if measured is None:
+            measured = step.peak(_plan(choice)).peak_bytes
+            verified += 1
+            profile.peaks.add(saved, measured)
+            _save(cache_file, profile)
+        measured = int(measured)
         if measured <= budget_bytes:
             if best is None or measured > best[2]:
                 best = (choice, predicted, measured)
@@ -187,7 +189,7 @@ def _profile(model: nn.Module, batch: tuple[Tensor, Tensor], optimizer: Optimize
     profile = _load(cache_file)
     if profile is None:
         stock = step.peak(None)
-        profile = BudgetProfile(len(batch[0]), stock.peak_bytes, stock.by_category.get("activations", 0))
+        profile = BudgetProfile(len(batch[0]), stock.peak_bytes)
     return step, cache_file, profile
 
 
@@ -206,17 +208,22 @@ def _plan(choice: MapChoice) -> CompressionPlan:
 
 def _measure_floor(profile: BudgetProfile, step: _Stepper, batch: tuple[Tensor, Tensor], loss_fn: LossFn,
                    criterion: str) -> None:
-    """The menu (on a sub-batch, bytes scaled up), stock's and the smallest map's points."""
+    """The menu (on a sub-batch, bytes scaled up), stock's, the smallest map's and a middle map's points."""
     n = menu_samples(len(batch[0]))
     net = copy.deepcopy(step.model).train()
     menu = measure_menu(net, [(batch[0][:n], batch[1][:n])], FIT_MENU, loss_fn)
     profile.menu = scaled_menu(menu, len(batch[0]) / n)
-    profile.peaks.add(profile.menu.stock_bytes, profile.stock_peak, profile.stock_live)
+    profile.peaks.add(profile.menu.stock_bytes, profile.stock_peak)
     profile.floor_map = smallest_map(profile.menu, criterion)
+    least = profile.floor_map.score["bytes"]
     report = step.peak(_plan(profile.floor_map))
     profile.floor_peak = report.peak_bytes
-    profile.peaks.add(profile.floor_map.score["bytes"], report.peak_bytes, report.by_category.get("activations", 0))
+    profile.peaks.add(least, report.peak_bytes)
     profile.peaks.static_bytes = float(sum(report.by_category.get(c, 0) for c in STATIC_CATEGORIES))
+    # A map halfway in saved bytes: budgets between stock and the floor are interpolated on half
+    # the chord, which the peak's convexity would otherwise bend away from by several percent.
+    mid = profile.menu.make_map((least + profile.menu.stock_bytes) / 2, criterion)
+    profile.peaks.add(mid.score["bytes"], step.peak(_plan(mid)).peak_bytes)
 
 
 def menu_samples(batch_size: int) -> int:
@@ -287,7 +294,7 @@ class _Stepper:
 
 def _save(path: Path, profile: BudgetProfile) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"batch_size": profile.batch_size, "stock_peak": profile.stock_peak, "stock_live": profile.stock_live,
+    data = {"batch_size": profile.batch_size, "stock_peak": profile.stock_peak,
             "menu": profile.menu.to_dict() if profile.menu else None,
             "floor_map": vars(profile.floor_map) if profile.floor_map else None, "floor_peak": profile.floor_peak,
             "points": profile.peaks.points, "static_bytes": profile.peaks.static_bytes}
@@ -302,7 +309,7 @@ def _load(path: Path) -> BudgetProfile | None:
     try:
         d: Mapping[str, Any] = json.loads(path.read_text())
         return BudgetProfile(
-            int(d["batch_size"]), int(d["stock_peak"]), int(d["stock_live"]),
+            int(d["batch_size"]), int(d["stock_peak"]),
             MenuResult.from_dict(d["menu"]) if d["menu"] else None,
             MapChoice(**d["floor_map"]) if d["floor_map"] else None, d["floor_peak"],
             PeakModel([tuple(p) for p in d["points"]], float(d["static_bytes"])))

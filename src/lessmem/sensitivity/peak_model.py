@@ -1,15 +1,16 @@
 """A model's whole-step peak as a function of a map's saved bytes, from a few measured steps.
 
 Parameters, gradients, optimizer state and the batch do not depend on the map; what does is the
-saved activations and the transients of backward. The peak is the largest of the step's moments,
-each a constant plus the saved bytes still alive then: a convex, piecewise-linear function of the
-saved bytes whose slope is the fraction of them alive at the peak (near 1 with much saved: the
-peak is at the start of backward; near 0 at the floor: the peak moves late into backward, where
-full-size gradients dominate). The profiler says that fraction at every measured step (the bytes it
-files as activations at the peak), so each measured point gives a tangent; the prediction is the
-largest tangent, capped by the chord between the measured points around it (what convexity
-bounds it by). Each verified map adds a point, so the model gets exact where the budget search
-looks. Other batch sizes scale the map-dependent part with the batch (``at_batch``)."""
+saved activations and the transients of backward (gradients of activations in flight, a
+compressed input expanded for its weight gradient), which grow with the saved bytes but not in
+exact proportion: the peak is the largest of the step's moments, each a constant plus the saved
+bytes alive then, a convex function of the saved bytes (slope near 1 with much saved, flat near the
+floor, where the peak moves late into backward). Between measured maps the peak is interpolated
+linearly in saved bytes (the chord: convexity makes it an upper bound), beyond them extrapolated
+along the nearest segment. ``fit``'s profile measures stock, the floor and a map between, so a
+budget's target is interpolated on a short chord; each verified map adds a point, so the model gets
+exact where the budget search looks. Other batch sizes scale the map-dependent part with the
+batch (``at_batch``)."""
 
 from __future__ import annotations
 
@@ -19,34 +20,28 @@ from dataclasses import dataclass, field
 
 @dataclass
 class PeakModel:
-    # (saved bytes, measured peak, fraction of the saved bytes alive at the peak)
-    points: list[tuple[float, float, float]] = field(default_factory=list)
+    points: list[tuple[float, float]] = field(default_factory=list)  # (saved bytes, measured peak)
     static_bytes: float = 0.0  # parameters, gradients, optimizer state at the peak: batch-independent
 
-    def add(self, saved: float, peak: float, live: float) -> None:
-        """A measured step: ``live`` bytes of the map's ``saved`` were alive at its ``peak``."""
-        slope = min(1.0, max(0.0, live / saved)) if saved > 0 else 0.0
-        kept = {s: (p, f) for s, p, f in self.points}
-        kept[float(saved)] = (float(peak), slope)
-        self.points = [(s, p, f) for s, (p, f) in sorted(kept.items())]
+    def add(self, saved: float, peak: float) -> None:
+        self.points = sorted({s: p for s, p in [*self.points, (float(saved), float(peak))]}.items())
 
     def predict(self, saved: float) -> float:
         """The whole-step peak of a map keeping ``saved`` bytes for backward."""
         if not self.points:
             raise ValueError("the peak model has no measured step")
-        tangent = max(p + f * (saved - s) for s, p, f in self.points)
-        xs = [s for s, _, _ in self.points]
-        i = bisect.bisect_left(xs, saved)
-        if i == 0 or i == len(xs):  # beyond the measured maps: the nearest point's tangent
-            s, p, f = self.points[min(i, len(xs) - 1)]
-            return p + f * (saved - s)
-        (s0, p0, _), (s1, p1, _) = self.points[i - 1], self.points[i]
-        chord = p0 + (p1 - p0) * (saved - s0) / (s1 - s0)
-        return min(chord, max(tangent, p0))
+        if len(self.points) == 1:  # one step: the saved bytes move the peak one for one
+            s0, p0 = self.points[0]
+            return p0 + saved - s0
+        xs = [s for s, _ in self.points]
+        i = min(max(bisect.bisect_left(xs, saved), 1), len(xs) - 1)
+        (s0, p0), (s1, p1) = self.points[i - 1], self.points[i]
+        slope = (p1 - p0) / (s1 - s0)
+        return p0 + slope * (saved - s0)
 
     def saved_for(self, peak: float) -> float:
         """The most saved bytes whose predicted peak is ``peak`` (bisection on ``predict``)."""
-        lo, hi = 0.0, max(s for s, _, _ in self.points) * 4 + 1
+        lo, hi = 0.0, max(s for s, _ in self.points) * 4 + 1
         for _ in range(100):
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if self.predict(mid) <= peak else (lo, mid)
@@ -54,6 +49,6 @@ class PeakModel:
 
     def at_batch(self, scale: float) -> PeakModel:
         """This model for ``scale`` x the batch: saved bytes and the map-dependent part of the peak
-        (everything above ``static_bytes``) grow with the batch; the fractions alive stay."""
-        return PeakModel([(s * scale, self.static_bytes + (p - self.static_bytes) * scale, f)
-                          for s, p, f in self.points], self.static_bytes)
+        (everything above ``static_bytes``) grow with the batch."""
+        return PeakModel([(s * scale, self.static_bytes + (p - self.static_bytes) * scale)
+                          for s, p in self.points], self.static_bytes)
