@@ -79,7 +79,8 @@ class BudgetChoice(CompressionPlan):
     saved_bytes: int = 0  # predicted saved-for-backward bytes
     score: dict[str, float] = field(default_factory=dict)
     criterion: str = DEFAULT_CRITERION
-    verified: int = 0  # maps measured by a real step in this search (0: the map's peak was measured before)
+    verified: int = 0  # maps measured by a real step in this search
+    known: bool = False  # the chosen map's peak was measured before this search: its prediction is that measurement
 
     @property
     def label(self) -> str:
@@ -137,7 +138,7 @@ def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | floa
                     f"(stock {format_bytes(profile.stock_peak)}); the largest batch that fits is about "
                     f"{largest_batch(profile.peaks, profile.floor_map.score['bytes'], profile.batch_size, budget_bytes)}")
     least = profile.floor_map.score["bytes"]
-    best: tuple[MapChoice, int, int] | None = None  # (map, predicted, measured) that fits
+    best: tuple[MapChoice, int, int, bool] | None = None  # (map, predicted, measured, known) that fits
     tried: set[float] = set()
     verified = 0
     target = profile.peaks.saved_for(budget_bytes)
@@ -149,6 +150,7 @@ def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | floa
         tried.add(saved)
         predicted = int(profile.peaks.predict(saved))
         measured = dict(profile.peaks.points).get(saved)  # a map already measured needs no step
+        known = measured is not None
         if measured is None:
             measured = step.peak(_plan(choice)).peak_bytes
             verified += 1
@@ -157,18 +159,18 @@ def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | floa
         measured = int(measured)
         if measured <= budget_bytes:
             if best is None or measured > best[2]:
-                best = (choice, predicted, measured)
+                best = (choice, predicted, measured, known)
             if measured >= CLOSE_ENOUGH * budget_bytes:
                 break
             target = max(profile.peaks.saved_for(budget_bytes), saved * 1.001)
         else:  # tighter: below this map's bytes by at least its overshoot
             target = min(profile.peaks.saved_for(budget_bytes), saved - (measured - budget_bytes))
     if best is None:  # the floor was measured and fits
-        best = (profile.floor_map, profile.floor_peak, profile.floor_peak)
-    chosen, predicted, measured = best
+        best = (profile.floor_map, profile.floor_peak, profile.floor_peak, True)
+    chosen, predicted, measured, known = best
     return BudgetChoice(map=chosen.map, norm_storage=chosen.norm_storage, act_storage=chosen.act_storage,
                         exact_companions=True, predicted_peak_bytes=predicted, step_peak_bytes=measured,
-                        saved_bytes=int(chosen.score["bytes"]), score=chosen.score, verified=verified, **base)
+                        saved_bytes=int(chosen.score["bytes"]), score=chosen.score, verified=verified, known=known, **base)
 
 
 def budget_profile(model: nn.Module, batch: tuple[Tensor, Tensor], *, optimizer: OptimizerFactory | None = None,
