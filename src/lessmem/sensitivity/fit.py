@@ -5,8 +5,8 @@
 
 Steps: measure stock's whole-step peak (it fits: nothing to compress); measure the menu on a
 sub-batch of the batch (bytes scaled to the whole batch), the whole-step peak of the menu's
-smallest map (the floor: above the budget, nothing fits) and of a map halfway between in saved
-bytes; from those measured steps a
+smallest map (the floor: above the budget, nothing fits) and of a map near the bend of the peak
+between them; from those measured steps a
 ``PeakModel`` predicts a map's peak from its saved bytes, the knapsack picks the map of least
 criterion whose saved bytes the model says fit, and one real step verifies it; a map over the
 budget adds its point to the model and the next pick is tighter. The menu and every measured
@@ -210,7 +210,7 @@ def _plan(choice: MapChoice) -> CompressionPlan:
 
 def _measure_floor(profile: BudgetProfile, step: _Stepper, batch: tuple[Tensor, Tensor], loss_fn: LossFn,
                    criterion: str) -> None:
-    """The menu (on a sub-batch, bytes scaled up), stock's, the smallest map's and a middle map's points."""
+    """The menu (on a sub-batch, bytes scaled up), stock's, the smallest map's and a map's near the bend."""
     n = menu_samples(len(batch[0]))
     net = copy.deepcopy(step.model).train()
     menu = measure_menu(net, [(batch[0][:n], batch[1][:n])], FIT_MENU, loss_fn)
@@ -222,9 +222,11 @@ def _measure_floor(profile: BudgetProfile, step: _Stepper, batch: tuple[Tensor, 
     profile.floor_peak = report.peak_bytes
     profile.peaks.add(least, report.peak_bytes)
     profile.peaks.static_bytes = float(sum(report.by_category.get(c, 0) for c in STATIC_CATEGORIES))
-    # A map halfway in saved bytes: budgets between stock and the floor are interpolated on half
-    # the chord, which the peak's convexity would otherwise bend away from by several percent.
-    mid = profile.menu.make_map((least + profile.menu.stock_bytes) / 2, criterion)
+    # A map near the bend of the peak (PeakModel): the chord from the floor to stock alone would
+    # overshoot the convex peak by up to 10% between them. Kept within the middle 3/4 of the range.
+    span = profile.menu.stock_bytes - least
+    bend = min(max(profile.peaks.bend(), least + span / 8), profile.menu.stock_bytes - span / 8)
+    mid = profile.menu.make_map(bend, criterion)
     profile.peaks.add(mid.score["bytes"], step.peak(_plan(mid)).peak_bytes)
 
 

@@ -4,13 +4,12 @@ Parameters, gradients, optimizer state and the batch do not depend on the map; w
 saved activations and the transients of backward (gradients of activations in flight, a
 compressed input expanded for its weight gradient), which grow with the saved bytes but not in
 exact proportion: the peak is the largest of the step's moments, each a constant plus the saved
-bytes alive then, a convex function of the saved bytes (slope near 1 with much saved, flat near the
-floor, where the peak moves late into backward). Between two measured maps convexity bounds the
-peak above by their chord and below by the lower map's peak and the neighbouring segments
-extended; the prediction is the middle of those bounds (the chord where no neighbour bounds it),
-beyond the measured maps the nearest segment extended. ``fit``'s profile measures stock, the floor
-and a map between, so a budget's target is interpolated, not extrapolated; each verified map adds a
-point, so the model gets exact where the budget search looks. Other batch sizes scale the map-dependent part with the
+bytes alive then, a convex function of the saved bytes (slope 1 with much saved: the peak is at the
+start of backward, where every saved byte is alive; flat near the floor, where the peak moves late
+into backward). Between measured maps the peak is interpolated linearly in saved bytes (the chord,
+above the curve by convexity), beyond them extrapolated along the nearest segment. ``fit``'s
+profile measures a map near the bend (``bend``), so the chords follow the two slopes; each
+verified map adds a point, so the model gets exact where the budget search looks. Other batch sizes scale the map-dependent part with the
 batch (``at_batch``)."""
 
 from __future__ import annotations
@@ -34,17 +33,17 @@ class PeakModel:
         if len(self.points) == 1:  # one step: the saved bytes move the peak one for one
             s0, p0 = self.points[0]
             return p0 + saved - s0
-        pts = self.points
-        i = bisect.bisect_left([s for s, _ in pts], saved)
-        if i == 0 or i == len(pts):  # beyond the measured maps: the nearest segment extended
-            return _line(*(pts[:2] if i == 0 else pts[-2:]), saved)
-        if pts[i][0] == saved:
-            return pts[i][1]
-        chord = _line(pts[i - 1], pts[i], saved)
-        below = [_line(pts[j], pts[j + 1], saved) for j in (i - 2, i) if j >= 0 and j + 1 < len(pts)]
-        if not below:
-            return chord
-        return (chord + min(chord, max(pts[i - 1][1], *below))) / 2
+        xs = [s for s, _ in self.points]
+        i = min(max(bisect.bisect_left(xs, saved), 1), len(xs) - 1)
+        (s0, p0), (s1, p1) = self.points[i - 1], self.points[i]
+        slope = (p1 - p0) / (s1 - s0)
+        return p0 + slope * (saved - s0)
+
+    def bend(self) -> float:
+        """Saved bytes where a slope-1 line through the largest measured map meets the smallest
+        one's peak: the bend of a peak that is the floor's below it and the start of backward's above."""
+        floor_peak, (top_saved, top_peak) = self.points[0][1], self.points[-1]
+        return top_saved - (top_peak - floor_peak)
 
     def saved_for(self, peak: float) -> float:
         """The most saved bytes whose predicted peak is ``peak`` (bisection on ``predict``)."""
@@ -59,8 +58,3 @@ class PeakModel:
         (everything above ``static_bytes``) grow with the batch."""
         return PeakModel([(s * scale, self.static_bytes + (p - self.static_bytes) * scale)
                           for s, p in self.points], self.static_bytes)
-
-
-def _line(a: tuple[float, float], b: tuple[float, float], x: float) -> float:
-    """The line through ``a`` and ``b`` at ``x``."""
-    return a[1] + (b[1] - a[1]) * (x - a[0]) / (b[0] - a[0])
