@@ -9,8 +9,8 @@ start of backward, where every saved byte is alive; flat near the floor, where t
 into backward). Between measured maps the peak is interpolated linearly in saved bytes (the chord,
 above the curve by convexity), beyond them extrapolated along the nearest segment. ``fit``'s
 profile measures a map near the bend (``bend``), so the chords follow the two slopes; each
-verified map adds a point, so the model gets exact where the budget search looks. Other batch sizes scale the map-dependent part with the
-batch (``at_batch``)."""
+verified map adds a point, so the model gets exact where the budget search looks. Other batch
+sizes scale the map-dependent part with the batch (``at_batch``)."""
 
 from __future__ import annotations
 
