@@ -112,7 +112,8 @@ def main() -> None:
     start = time.perf_counter()
     profile = budget_profile(model, batch, optimizer=sgd, loss_fn=loss_fn)
     t_step = step_time(copy.deepcopy(model).train(), batch, loss_fn, args.steps)
-    print(f"{args.model} b{args.batch}: stock peak {profile.stock_peak / MIB:.1f} MiB, floor "
+    print(f"{args.model} b{args.batch}: menu on {profile.menu.meta['measured_batch']} samples, stock peak "
+          f"{profile.stock_peak / MIB:.1f} MiB, floor "
           f"{profile.floor_peak / MIB:.1f} MiB, profile {time.perf_counter() - start:.1f}s = "
           f"{(time.perf_counter() - start) / t_step:.1f} stock steps ({t_step:.2f}s each)", flush=True)
     if args.plan:
@@ -128,7 +129,8 @@ def main() -> None:
         row = {"budget_mib": budget / MIB, "lessmem_peak_mib": choice.step_peak_bytes / MIB,
                "lessmem_predicted_mib": choice.predicted_peak_bytes / MIB,
                "lessmem_step_s": step_time(net, batch, loss_fn, args.steps),
-               "lessmem_grad_error": choice.score.get("grad_error", 0.0), "fit_s": t_fit, "verified": choice.verified}
+               "lessmem_grad_error": choice.score.get("grad_error", 0.0), "fit_s": t_fit, "verified": choice.verified,
+               "known": int(choice.known)}
         if not args.no_compile:
             fraction = min(1.0, max(0.0, (budget - static) / (profile.stock_peak - static)))
             net = compiled_budget(model, fraction).train()

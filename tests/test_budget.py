@@ -14,7 +14,8 @@ import lessmem
 from lessmem.cli.train import train_main
 from lessmem.experiment import run
 from lessmem.models import build_model
-from lessmem.sensitivity import NoFit, format_bytes, parse_bytes
+from lessmem.sensitivity import NoFit, budget_profile, format_bytes, parse_bytes, plan_batches
+from lessmem.sensitivity.fit import menu_samples
 
 
 def sgd(params):
@@ -63,6 +64,28 @@ def test_budget_holds(setup, tmp_path: Path) -> None:
     # From the cache: the menu and the measured points of the first search (a map may change with them).
     again = lessmem.fit(model, batch, budget, optimizer=sgd)
     assert again.step_peak_bytes <= budget and len(list((tmp_path / "budget").glob("*.json"))) == 1
+
+
+def test_profile_interpolates_between_measured_maps(setup) -> None:
+    model, batch, stock = setup
+    profile = budget_profile(model, batch, optimizer=sgd)
+    assert profile.menu is not None and profile.floor_peak is not None
+    assert profile.menu.meta["measured_batch"] == menu_samples(len(batch[0])) < len(batch[0])
+    # stock, the floor and a map near the bend between them: budgets are interpolated, not extrapolated
+    (floor_saved, floor_peak), (mid_saved, mid_peak), (stock_saved, stock_peak) = profile.peaks.points
+    assert floor_saved < mid_saved < stock_saved and floor_peak <= mid_peak < stock_peak == stock
+    assert profile.peaks.predict(mid_saved) == mid_peak
+
+
+def test_plan_batches_fit_the_budget(setup) -> None:
+    model, batch, _ = setup
+    profile = budget_profile(model, batch, optimizer=sgd)
+    assert profile.floor_peak is not None
+    budget = (profile.stock_peak + profile.floor_peak) / 2
+    rows = plan_batches(profile, budget)
+    sizes = [r.batch_size for r in rows]
+    assert sizes == sorted(set(sizes)) and rows[0].fits and not rows[-1].fits
+    assert all(r.predicted_peak_bytes <= budget for r in rows if r.fits)
 
 
 def test_nothing_fits(setup, tmp_path: Path) -> None:

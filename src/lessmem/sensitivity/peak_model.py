@@ -3,10 +3,14 @@
 Parameters, gradients, optimizer state and the batch do not depend on the map; what does is the
 saved activations and the transients of backward (gradients of activations in flight, a
 compressed input expanded for its weight gradient), which grow with the saved bytes but not in
-exact proportion. Between measured maps the peak is interpolated linearly in saved bytes, beyond
-them extrapolated along the nearest segment; each verified map adds a point, so the model gets
-exact where the budget search looks. Other batch sizes scale the map-dependent part with the
-batch (``at_batch``)."""
+exact proportion: the peak is the largest of the step's moments, each a constant plus the saved
+bytes alive then, a convex function of the saved bytes (slope 1 with much saved: the peak is at the
+start of backward, where every saved byte is alive; flat near the floor, where the peak moves late
+into backward). Between measured maps the peak is interpolated linearly in saved bytes (the chord,
+above the curve by convexity), beyond them extrapolated along the nearest segment. ``fit``'s
+profile measures a map near the bend (``bend``), so the chords follow the two slopes; each
+verified map adds a point, so the model gets exact where the budget search looks. Other batch
+sizes scale the map-dependent part with the batch (``at_batch``)."""
 
 from __future__ import annotations
 
@@ -34,6 +38,12 @@ class PeakModel:
         (s0, p0), (s1, p1) = self.points[i - 1], self.points[i]
         slope = (p1 - p0) / (s1 - s0)
         return p0 + slope * (saved - s0)
+
+    def bend(self) -> float:
+        """Saved bytes where a slope-1 line through the largest measured map meets the smallest
+        one's peak: the bend of a peak that is the floor's below it and the start of backward's above."""
+        floor_peak, (top_saved, top_peak) = self.points[0][1], self.points[-1]
+        return top_saved - (top_peak - floor_peak)
 
     def saved_for(self, peak: float) -> float:
         """The most saved bytes whose predicted peak is ``peak`` (bisection on ``predict``)."""
