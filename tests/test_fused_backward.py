@@ -314,7 +314,7 @@ def test_sliced_recomputed_norm_matches_the_norm_on_the_decoded_input(storage: s
     from lessmem.core.ops.recompute import RecomputedRMSNorm, SlicedRecomputedFunction
     from lessmem.core.storage import pack_tensor
 
-    monkeypatch.setattr(recompute, "SLICE_ELEMENTS", 7 * 128)  # 7 rows a slice, the last one shorter
+    monkeypatch.setattr(recompute, "NORM_SLICE_ELEMENTS", 7 * 128)  # 7 rows a slice, the last one shorter
     norm = small_llama().lm.model.layers[0].input_layernorm
     torch.manual_seed(0)
     norm.weight.data.normal_()

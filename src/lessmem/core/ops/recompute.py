@@ -48,6 +48,9 @@ class RecomputedFunction(torch.autograd.Function):
 
 # Elements of the widest full-size tensor one row slice of the sliced gated MLP holds.
 SLICE_ELEMENTS = 2**17
+# A norm's slice holds fewer tensors (its rerun's and their gradients): twice the rows leave the
+# tiny Llama's whole-step peak where it was (forward, attention), for half the slices.
+NORM_SLICE_ELEMENTS = 2 * SLICE_ELEMENTS
 
 
 class SlicedGatedMLPFunction(torch.autograd.Function):
@@ -74,7 +77,11 @@ class SlicedGatedMLPFunction(torch.autograd.Function):
             x_rows = x2[r0:r0 + step]
             gate, up = F.linear(x_rows, wg, bg), F.linear(x_rows, wu, bu)
             h = gated(gate, up)
-            out[r0:r0 + step] = F.linear(h, wd, bd)
+            rows = out[r0:r0 + step]  # written in place: F.linear's own ops
+            if bd is None:
+                torch.mm(h, wd.t(), out=rows)
+            else:
+                torch.addmm(bd, h, wd.t(), out=rows)
             parts = (pack_tensor(x_rows.detach(), x_storage) if needs[2] or needs[4] else (),
                      _pack_saved(gate, saved_storage), _pack_saved(up, saved_storage),
                      pack_tensor(h, h_storage) if needs[6] else ())
@@ -108,7 +115,7 @@ class SlicedGatedMLPFunction(torch.autograd.Function):
             r0 = j * ctx.step
             g = flat_grad[r0:r0 + ctx.step]
             if needs[6]:
-                gw[2] = _add(gw[2], g.t() @ decoded(3))
+                gw[2] = _addmm(gw[2], g.t(), decoded(3))
             with torch.enable_grad():
                 gate = decoded(1).detach().requires_grad_()
                 up = decoded(2).detach().requires_grad_()
@@ -116,14 +123,13 @@ class SlicedGatedMLPFunction(torch.autograd.Function):
             dgate, dup = torch.autograd.grad(out, (gate, up), g @ wd)
             del out, gate, up
             if dx is not None:
-                torch.mm(dgate, wg, out=dx[r0:r0 + ctx.step])
-                dx[r0:r0 + ctx.step] += dup @ wu
+                torch.mm(dgate, wg, out=dx[r0:r0 + ctx.step]).addmm_(dup, wu)
             if needs[2] or needs[4]:
                 x_rows = decoded(0)
                 if needs[2]:
-                    gw[0] = _add(gw[0], dgate.t() @ x_rows)
+                    gw[0] = _addmm(gw[0], dgate.t(), x_rows)
                 if needs[4]:
-                    gw[1] = _add(gw[1], dup.t() @ x_rows)
+                    gw[1] = _addmm(gw[1], dup.t(), x_rows)
             for i, d, wanted in ((0, dgate, needs[3]), (1, dup, needs[5])):
                 if wanted:
                     gb[i] = _add(gb[i], d.sum(0))
@@ -141,6 +147,11 @@ def _pack_saved(t: Tensor, storage: str) -> tuple[Tensor, ...]:
 
 def _add(total: Tensor | None, part: Tensor) -> Tensor:
     return part if total is None else total.add_(part)
+
+
+def _addmm(total: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
+    """``total + a @ b`` into ``total`` (no temporary product), or ``a @ b`` first."""
+    return a @ b if total is None else total.addmm_(a, b)
 
 
 class SlicedAttentionFunction(torch.autograd.Function):
@@ -197,7 +208,7 @@ class SlicedRecomputedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn: Callable[..., Tensor], storage: str, x: Tensor, *params: Tensor) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        step = max(1, SLICE_ELEMENTS // rows.shape[1])
+        step = max(1, NORM_SLICE_ELEMENTS // rows.shape[1])
         saved = [_pack_saved(rows[r0:r0 + step].detach(), storage) for r0 in range(0, rows.shape[0], step)]
         ctx.save_for_backward(*params, *(t for p in saved for t in p))
         ctx.counts, ctx.metas = [len(p) for p in saved], [tensor_meta(rows[r0:r0 + step]) for r0 in
