@@ -272,15 +272,15 @@ class RecomputedGatedMLP(nn.Module):
     down_proj: nn.Module
     act_fn: nn.Module
 
-    def _gated(self, gate: Tensor, up: Tensor) -> Tensor:
-        return self.act_fn(gate) * up
+    def _gated(self, gate: Tensor, up: Tensor, act: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+        return (act or self.act_fn)(gate) * up
 
     def forward(self, x: Tensor) -> Tensor:
         if self._sliceable(x):
-            storages = (self.gate_proj.lessmem_spec.storage, self.__dict__.get(RULE_ATTR, ("native",))[0],
-                        self.down_proj.lessmem_spec.storage)
+            saved = self.__dict__.get(RULE_ATTR, ("native",))[0]
+            storages = (self.gate_proj.lessmem_spec.storage, saved, self.down_proj.lessmem_spec.storage)
             return SlicedGatedMLPFunction.apply(
-                self._gated, x, self.gate_proj.weight, self.gate_proj.bias, self.up_proj.weight,
+                partial(self._gated, act=self._unstored_act(saved)), x, self.gate_proj.weight, self.gate_proj.bias, self.up_proj.weight,
                 self.up_proj.bias, self.down_proj.weight, self.down_proj.bias, storages)
         return self.down_proj(_recomputed(self._gated, self.gate_proj(x), self.up_proj(x)))
 
@@ -296,8 +296,23 @@ class RecomputedGatedMLP(nn.Module):
             return False
         if torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type) or keeps_stock_path(self.gate_proj, x):
             return False
-        return all(set(p._forward_pre_hooks) | set(p._forward_hooks) <= set(p.__dict__.get(HOOK_IDS_ATTR, ()))
-                   for p in projections) and not _global_module_hooks()
+        return all(_only_saved_storage_hooks(p) for p in projections) and not _global_module_hooks()
+
+    def _unstored_act(self, saved: str) -> Callable[[Tensor], Tensor] | None:
+        """The activation's own class's forward, without its storage or hooks, where the sliced
+        Function may run that instead of the module: the activation stores nothing or stores in
+        ``saved``, the storage the gate is decoded from in backward, and a value decoded from a
+        storage comes back from it unchanged (int8: ~0.1% of elements an ulp off), so the module
+        would only repack it (a quantize and a decode per slice). Else None: the module runs."""
+        act = self.act_fn
+        storage = getattr(act, "lessmem_storage", act.__dict__.get(RULE_ATTR, ("native",))[0])
+        if storage not in ("native", saved) or not _only_saved_storage_hooks(act):
+            return None
+        return partial(act.__dict__.get(ORIGINAL_CLASS_ATTR, type(act)).forward, act)
+
+
+def _only_saved_storage_hooks(module: nn.Module) -> bool:
+    return set(module._forward_pre_hooks) | set(module._forward_hooks) <= set(module.__dict__.get(HOOK_IDS_ATTR, ()))
 
 
 class RecomputedRMSNorm(nn.Module):
