@@ -55,17 +55,17 @@ NORM_SLICE_ELEMENTS = 2 * SLICE_ELEMENTS
 
 
 class SlicedGatedMLPFunction(torch.autograd.Function):
-    """``down(gated(gate(x), up(x)))`` for token linears without token pooling, run a slice of
+    """``down(act(gate(x)) * up(x))`` for token linears without token pooling, run a slice of
     token rows at a time, forward and backward: no full-size gate(x), up(x) or down input exists.
     Per slice, forward keeps x, gate(x), up(x) and the down input packed (``storages``: x's,
-    gate / up's, the down input's); backward decodes them one slice at a time, reruns ``gated``
-    under autograd on it, writes the slice's input gradient and adds the slice's weight
-    gradients. Each output and input-gradient row is what the unsliced ops compute on the same
+    gate / up's, the down input's); backward decodes them one slice at a time, reruns ``act``
+    under autograd on it (the product's backward is two products, as autograd's), writes the
+    slice's input gradient and adds the slice's weight gradients. Each output and input-gradient row is what the unsliced ops compute on the same
     (decoded) values, up to the matrix products' blocking; the weight gradients are sums of slice
     partial sums (another float summation order)."""
 
     @staticmethod
-    def forward(ctx, gated: Callable[[Tensor, Tensor], Tensor], x: Tensor, wg: Tensor, bg: Tensor | None,
+    def forward(ctx, act: Callable[[Tensor], Tensor], x: Tensor, wg: Tensor, bg: Tensor | None,
                 wu: Tensor, bu: Tensor | None, wd: Tensor, bd: Tensor | None, storages: tuple[str, str, str]):
         x_storage, saved_storage, h_storage = storages
         needs = ctx.needs_input_grad
@@ -77,7 +77,7 @@ class SlicedGatedMLPFunction(torch.autograd.Function):
         for r0 in range(0, n, step):
             x_rows = x2[r0:r0 + step]
             gate, up = F.linear(x_rows, wg, bg), F.linear(x_rows, wu, bu)
-            h = gated(gate, up)
+            h = act(gate) * up
             rows = out[r0:r0 + step]  # written in place: F.linear's own ops
             if bd is None:
                 torch.mm(h, wd.t(), out=rows)
@@ -90,7 +90,7 @@ class SlicedGatedMLPFunction(torch.autograd.Function):
             metas.append(tuple(tensor_meta(t) for t in (x_rows, gate, up, h)))
         ctx.save_for_backward(wg, wu, wd, *(t for parts in saved for p in parts for t in p))
         ctx.counts = [[len(p) for p in parts] for parts in saved]
-        ctx.metas, ctx.step, ctx.gated, ctx.storages = metas, step, gated, storages
+        ctx.metas, ctx.step, ctx.act, ctx.storages = metas, step, act, storages
         return out.view(*x.shape[:-1], -1)
 
     @staticmethod
@@ -119,10 +119,11 @@ class SlicedGatedMLPFunction(torch.autograd.Function):
                 gw[2] = _addmm(gw[2], g.t(), decoded(3))
             with torch.enable_grad():
                 gate = decoded(1).detach().requires_grad_()
-                up = decoded(2).detach().requires_grad_()
-                out = ctx.gated(gate, up)
-            dgate, dup = torch.autograd.grad(out, (gate, up), g @ wd)
-            del out, gate, up
+                act = ctx.act(gate)
+            dh, up = g @ wd, decoded(2)
+            dup = dh * act  # the product's backward, as autograd's (no rerun of the product itself)
+            (dgate,) = torch.autograd.grad(act, gate, dh * up)
+            del act, gate, up, dh
             if dx is not None:
                 torch.mm(dgate, wg, out=dx[r0:r0 + ctx.step]).addmm_(dup, wu)
             if needs[2] or needs[4]:
@@ -288,15 +289,15 @@ class RecomputedGatedMLP(nn.Module):
     down_proj: nn.Module
     act_fn: nn.Module
 
-    def _gated(self, gate: Tensor, up: Tensor, act: Callable[[Tensor], Tensor] | None = None) -> Tensor:
-        return (act or self.act_fn)(gate) * up
+    def _gated(self, gate: Tensor, up: Tensor) -> Tensor:
+        return self.act_fn(gate) * up
 
     def forward(self, x: Tensor) -> Tensor:
         if self._sliceable(x):
             saved = self.__dict__.get(RULE_ATTR, ("native",))[0]
             storages = (self.gate_proj.lessmem_spec.storage, saved, self.down_proj.lessmem_spec.storage)
             return SlicedGatedMLPFunction.apply(
-                partial(self._gated, act=self._unstored_act(saved)), x, self.gate_proj.weight, self.gate_proj.bias, self.up_proj.weight,
+                self._unstored_act(saved) or self.act_fn, x, self.gate_proj.weight, self.gate_proj.bias, self.up_proj.weight,
                 self.up_proj.bias, self.down_proj.weight, self.down_proj.bias, storages)
         return self.down_proj(_recomputed(self._gated, self.gate_proj(x), self.up_proj(x)))
 
