@@ -60,9 +60,10 @@ class SlicedGatedMLPFunction(torch.autograd.Function):
     Per slice, forward keeps x, gate(x), up(x) and the down input packed (``storages``: x's,
     gate / up's, the down input's); backward decodes them one slice at a time, reruns ``act``
     under autograd on it (the product's backward is two products, as autograd's), writes the
-    slice's input gradient and adds the slice's weight gradients. Each output and input-gradient row is what the unsliced ops compute on the same
-    (decoded) values, up to the matrix products' blocking; the weight gradients are sums of slice
-    partial sums (another float summation order)."""
+    slice's input gradient and adds the slice's weight gradients. Each output and input-gradient
+    row is what the unsliced ops compute on the same (decoded) values, up to the matrix products'
+    blocking; the weight gradients are sums of slice partial sums (another float summation
+    order)."""
 
     @staticmethod
     def forward(ctx, act: Callable[[Tensor], Tensor], x: Tensor, wg: Tensor, bg: Tensor | None,
@@ -159,9 +160,9 @@ def _addmm(total: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
 class SlicedAttentionFunction(torch.autograd.Function):
     """``F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=...)`` (no mask, no dropout)
     keeping q, k and v only, packed in ``storage`` a batch slice at a time; backward decodes one
-    slice, reruns the attention on it (``_attention_grads``) and writes that slice's gradients. Neither
-    the output nor a full-size decoded q / k / v is kept or made in backward; forward is the one
-    call, each gradient slice is the attention's own backward on the same decoded values."""
+    slice, reruns the attention on it (``_attention_grads``) and writes that slice's gradients.
+    Neither the output nor a full-size decoded q / k / v is kept or made in backward; forward is
+    the one call, each gradient slice is the attention's own backward on the same decoded values."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None, storage: str):
@@ -297,8 +298,8 @@ class RecomputedGatedMLP(nn.Module):
             saved = self.__dict__.get(RULE_ATTR, ("native",))[0]
             storages = (self.gate_proj.lessmem_spec.storage, saved, self.down_proj.lessmem_spec.storage)
             return SlicedGatedMLPFunction.apply(
-                self._unstored_act(saved) or self.act_fn, x, self.gate_proj.weight, self.gate_proj.bias, self.up_proj.weight,
-                self.up_proj.bias, self.down_proj.weight, self.down_proj.bias, storages)
+                self._unstored_act(saved) or self.act_fn, x, self.gate_proj.weight, self.gate_proj.bias,
+                self.up_proj.weight, self.up_proj.bias, self.down_proj.weight, self.down_proj.bias, storages)
         return self.down_proj(_recomputed(self._gated, self.gate_proj(x), self.up_proj(x)))
 
     def _sliceable(self, x: Tensor) -> bool:
