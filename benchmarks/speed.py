@@ -11,6 +11,8 @@ machine noise hits both alike; the reported ratio is median(compressed) / median
     python benchmarks/speed.py --maps 2/int4 --profile 2x2/int4     # top ops of a --maps config
     python benchmarks/speed.py --threads 1 --clock cpu    # CPU time: steadier on a shared machine
     python benchmarks/speed.py --maps int2 --norm-storage int4    # a low-bit map, BatchNorm in int4
+    python benchmarks/speed.py --model tiny_llama --seq 256 --batch 8 --optimizer adamw --maps int8 \
+        --norm-storage int8 --act-storage int8 --saved-storage int8 --threads 1 --clock cpu  # lossy_int8
 
 Models: torchvision names and lessmem's registry (resnet20, resnet18_cifar, ...). ``--kernels K``
 times the map {"*": K}; ``--maps SPEC`` times {"*": SPEC} for a spec string of ``lessmem.compress``
@@ -33,10 +35,17 @@ import lessmem
 from lessmem.core import parse_spec
 from lessmem.core.storage import STORAGES
 
+VOCAB = 256  # token ids of the causal-LM models (--seq)
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+}
+
 
 def train_step(model, optimizer, x, y) -> None:
     optimizer.zero_grad(set_to_none=True)
-    torch.nn.functional.cross_entropy(model(x), y).backward()
+    out = model(x)
+    torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
     optimizer.step()
 
 
@@ -51,6 +60,14 @@ def main() -> None:
                         help="spec strings, each timed as the map {'*': SPEC}: e.g. 4/native int4 2/int4 int8")
     parser.add_argument("--norm-storage", default="native", choices=STORAGES,
                         help="BatchNorm input storage of every compressed config (int4 with --maps int2: the low-bit map)")
+    parser.add_argument("--act-storage", default="native", choices=STORAGES,
+                        help="GELU / SiLU input storage of every compressed config")
+    parser.add_argument("--saved-storage", default="native", choices=STORAGES,
+                        help="storage of every other saved tensor of every compressed config")
+    parser.add_argument("--seq", type=int, default=None,
+                        help=f"causal-LM models (tiny_llama, tiny_gpt2): token ids (batch, SEQ) of a {VOCAB}-token "
+                             "vocabulary and the next-token loss, instead of images")
+    parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="sgd")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
@@ -70,17 +87,22 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
-    stock = build(args.model)
+    stock = build(args.model, VOCAB if args.seq else 10)
     fmt = torch.channels_last if args.channels_last else torch.contiguous_format
     stock = stock.to(memory_format=fmt)
     models = {"stock": stock}
     for name, spec in specs.items():
-        models[name] = lessmem.compress(copy.deepcopy(stock), {"*": spec}, norm_storage=args.norm_storage)
-    optimizers = {n: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for n, m in models.items()}
+        models[name] = lessmem.compress(copy.deepcopy(stock), {"*": spec}, norm_storage=args.norm_storage,
+                                        act_storage=args.act_storage, saved_storage=args.saved_storage)
+    optimizers = {n: OPTIMIZERS[args.optimizer](m.parameters()) for n, m in models.items()}
     if args.compile:
         models = {n: torch.compile(m) for n, m in models.items()}
-    x = torch.randn(args.batch, 3, args.size, args.size).contiguous(memory_format=fmt)
-    y = torch.randint(0, 10, (args.batch,))
+    if args.seq:
+        x = torch.randint(0, VOCAB, (args.batch, args.seq))
+        y = torch.roll(x, -1, 1)
+    else:
+        x = torch.randn(args.batch, 3, args.size, args.size).contiguous(memory_format=fmt)
+        y = torch.randint(0, 10, (args.batch,))
 
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     times: dict[str, list[float]] = {n: [] for n in models}
@@ -94,7 +116,8 @@ def main() -> None:
     base = statistics.median(times["stock"])
     mode = "torch.compile" if args.compile else "eager"
     layout = ", channels-last" if args.channels_last else ""
-    print(f"{args.model}, {mode}{layout}, batch {args.batch}, {args.size}x{args.size}, fp32, "
+    shape = f"{args.seq} tokens" if args.seq else f"{args.size}x{args.size}"
+    print(f"{args.model}, {mode}{layout}, batch {args.batch}, {shape}, fp32, {args.optimizer}, "
           f"{torch.get_num_threads()} threads, {args.repeats} alternating steps each, {args.clock} clock, "
           f"torch {torch.__version__}")
     print("| config | median step (s) | min (s) | ratio to stock |")
@@ -129,12 +152,12 @@ def _profiled(parser: argparse.ArgumentParser, profile: str | None, specs: dict[
     return name
 
 
-def build(name: str) -> torch.nn.Module:
+def build(name: str, num_classes: int) -> torch.nn.Module:
     from lessmem.models import MODELS, build_model
 
     if name in MODELS:
-        return build_model(name, num_classes=10)
-    return getattr(torchvision.models, name)(num_classes=10)
+        return build_model(name, num_classes=num_classes)
+    return getattr(torchvision.models, name)(num_classes=num_classes)
 
 
 def profile_step(name: str, model, optimizer, x, y, rows: int = 15) -> None:

@@ -200,15 +200,19 @@ def llama_grads(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict
     return out, {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize(("storage", "saved"), [("int8_rn", "native"), ("int8_rn", "int8_rn"), ("bf16_rn", "bf16_rn")])
-def test_sliced_gated_mlp_matches_the_module_path(storage: str, saved: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("storage", "saved", "act"), [("int8_rn", "native", "native"), ("int8_rn", "int8_rn", "native"),
+                                                     ("bf16_rn", "bf16_rn", "native"), ("int8_rn", "int8_rn", "int8_rn")])
+def test_sliced_gated_mlp_matches_the_module_path(storage: str, saved: str, act: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Llama's MLP run as one token-sliced Function against the three projections and the
-    recomputed product (deterministic storages: the same codes both ways)."""
+    recomputed product (deterministic storages: the same codes both ways). With the activation
+    storing in the saved storage, the module path repacks the decoded gate, the sliced one runs
+    the plain activation on it: equal to float tolerance."""
     monkeypatch.setattr(recompute, "SLICE_ELEMENTS", 32 * 256)  # 32 token rows a slice
     ids = torch.randint(0, 64, (3, 40))
 
     def run(sliced: bool):
-        model = lessmem.compress(small_llama(), {"*": storage}, saved_storage=saved)
+        model = lessmem.compress(small_llama(), {"*": storage}, saved_storage=saved, act_storage=act)
         mlp = model.lm.model.layers[0].mlp
         if not sliced:  # a hook on a projection keeps the module path
             mlp.gate_proj.register_forward_hook(lambda *args: None)
@@ -219,6 +223,16 @@ def test_sliced_gated_mlp_matches_the_module_path(storage: str, saved: str, monk
     torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
     for name, g in grads.items():
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)  # sums in slices
+
+
+@pytest.mark.parametrize(("act", "plain"), [("native", True), ("int8", True), ("int4", False)])
+def test_sliced_gated_mlp_runs_the_plain_activation_only_where_repacking_gives_the_gate_back(act: str,
+                                                                                         plain: bool) -> None:
+    """Saved tensors in int8: an activation storing nothing or int8 runs as its own class's
+    forward in the sliced Function; one storing int4 (a coarser code of the decoded gate) runs
+    as the module, its storage and all."""
+    model = lessmem.compress(small_llama(), {"*": "int8"}, saved_storage="int8", act_storage=act)
+    assert (model.lm.model.layers[0].mlp._unstored_act("int8") is not None) == plain
 
 
 def test_sliced_gated_mlp_holds_no_full_size_intermediate(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -314,7 +328,7 @@ def test_sliced_recomputed_norm_matches_the_norm_on_the_decoded_input(storage: s
     from lessmem.core.ops.recompute import RecomputedRMSNorm, SlicedRecomputedFunction
     from lessmem.core.storage import pack_tensor
 
-    monkeypatch.setattr(recompute, "SLICE_ELEMENTS", 7 * 128)  # 7 rows a slice, the last one shorter
+    monkeypatch.setattr(recompute, "NORM_SLICE_ELEMENTS", 7 * 128)  # 7 rows a slice, the last one shorter
     norm = small_llama().lm.model.layers[0].input_layernorm
     torch.manual_seed(0)
     norm.weight.data.normal_()

@@ -64,6 +64,8 @@ def pool_tokens(x: Tensor, k: int) -> Tensor:
 
 
 def expand_tokens(pooled: Tensor, k: int, tokens: int) -> Tensor:
+    if k == 1:
+        return pooled  # repeat_interleave would copy it
     return pooled.repeat_interleave(k, dim=-2)[..., :tokens, :]
 
 

@@ -15,6 +15,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 
 from lessmem.core.ops.dispatch import ORIGINAL_CLASS_ATTR, needs_saving
@@ -48,20 +49,24 @@ class RecomputedFunction(torch.autograd.Function):
 
 # Elements of the widest full-size tensor one row slice of the sliced gated MLP holds.
 SLICE_ELEMENTS = 2**17
+# A norm's slice holds fewer tensors (its rerun's and their gradients): twice the rows leave the
+# tiny Llama's whole-step peak where it was (forward, attention), for half the slices.
+NORM_SLICE_ELEMENTS = 2 * SLICE_ELEMENTS
 
 
 class SlicedGatedMLPFunction(torch.autograd.Function):
-    """``down(gated(gate(x), up(x)))`` for token linears without token pooling, run a slice of
+    """``down(act(gate(x)) * up(x))`` for token linears without token pooling, run a slice of
     token rows at a time, forward and backward: no full-size gate(x), up(x) or down input exists.
     Per slice, forward keeps x, gate(x), up(x) and the down input packed (``storages``: x's,
-    gate / up's, the down input's); backward decodes them one slice at a time, reruns ``gated``
-    under autograd on it, writes the slice's input gradient and adds the slice's weight
-    gradients. Each output and input-gradient row is what the unsliced ops compute on the same
-    (decoded) values, up to the matrix products' blocking; the weight gradients are sums of slice
-    partial sums (another float summation order)."""
+    gate / up's, the down input's); backward decodes them one slice at a time, reruns ``act``
+    under autograd on it (the product's backward is two products, as autograd's), writes the
+    slice's input gradient and adds the slice's weight gradients. Each output and input-gradient
+    row is what the unsliced ops compute on the same (decoded) values, up to the matrix products'
+    blocking; the weight gradients are sums of slice partial sums (another float summation
+    order)."""
 
     @staticmethod
-    def forward(ctx, gated: Callable[[Tensor, Tensor], Tensor], x: Tensor, wg: Tensor, bg: Tensor | None,
+    def forward(ctx, act: Callable[[Tensor], Tensor], x: Tensor, wg: Tensor, bg: Tensor | None,
                 wu: Tensor, bu: Tensor | None, wd: Tensor, bd: Tensor | None, storages: tuple[str, str, str]):
         x_storage, saved_storage, h_storage = storages
         needs = ctx.needs_input_grad
@@ -73,8 +78,12 @@ class SlicedGatedMLPFunction(torch.autograd.Function):
         for r0 in range(0, n, step):
             x_rows = x2[r0:r0 + step]
             gate, up = F.linear(x_rows, wg, bg), F.linear(x_rows, wu, bu)
-            h = gated(gate, up)
-            out[r0:r0 + step] = F.linear(h, wd, bd)
+            h = act(gate) * up
+            rows = out[r0:r0 + step]  # written in place: F.linear's own ops
+            if bd is None:
+                torch.mm(h, wd.t(), out=rows)
+            else:
+                torch.addmm(bd, h, wd.t(), out=rows)
             parts = (pack_tensor(x_rows.detach(), x_storage) if needs[2] or needs[4] else (),
                      _pack_saved(gate, saved_storage), _pack_saved(up, saved_storage),
                      pack_tensor(h, h_storage) if needs[6] else ())
@@ -82,7 +91,7 @@ class SlicedGatedMLPFunction(torch.autograd.Function):
             metas.append(tuple(tensor_meta(t) for t in (x_rows, gate, up, h)))
         ctx.save_for_backward(wg, wu, wd, *(t for parts in saved for p in parts for t in p))
         ctx.counts = [[len(p) for p in parts] for parts in saved]
-        ctx.metas, ctx.step, ctx.gated, ctx.storages = metas, step, gated, storages
+        ctx.metas, ctx.step, ctx.act, ctx.storages = metas, step, act, storages
         return out.view(*x.shape[:-1], -1)
 
     @staticmethod
@@ -108,22 +117,22 @@ class SlicedGatedMLPFunction(torch.autograd.Function):
             r0 = j * ctx.step
             g = flat_grad[r0:r0 + ctx.step]
             if needs[6]:
-                gw[2] = _add(gw[2], g.t() @ decoded(3))
+                gw[2] = _addmm(gw[2], g.t(), decoded(3))
             with torch.enable_grad():
                 gate = decoded(1).detach().requires_grad_()
-                up = decoded(2).detach().requires_grad_()
-                out = ctx.gated(gate, up)
-            dgate, dup = torch.autograd.grad(out, (gate, up), g @ wd)
-            del out, gate, up
+                act = ctx.act(gate)
+            dh, up = g @ wd, decoded(2)
+            dup = dh * act  # the product's backward, as autograd's (no rerun of the product itself)
+            (dgate,) = torch.autograd.grad(act, gate, dh * up)
+            del act, gate, up, dh
             if dx is not None:
-                torch.mm(dgate, wg, out=dx[r0:r0 + ctx.step])
-                dx[r0:r0 + ctx.step] += dup @ wu
+                torch.mm(dgate, wg, out=dx[r0:r0 + ctx.step]).addmm_(dup, wu)
             if needs[2] or needs[4]:
                 x_rows = decoded(0)
                 if needs[2]:
-                    gw[0] = _add(gw[0], dgate.t() @ x_rows)
+                    gw[0] = _addmm(gw[0], dgate.t(), x_rows)
                 if needs[4]:
-                    gw[1] = _add(gw[1], dup.t() @ x_rows)
+                    gw[1] = _addmm(gw[1], dup.t(), x_rows)
             for i, d, wanted in ((0, dgate, needs[3]), (1, dup, needs[5])):
                 if wanted:
                     gb[i] = _add(gb[i], d.sum(0))
@@ -143,12 +152,17 @@ def _add(total: Tensor | None, part: Tensor) -> Tensor:
     return part if total is None else total.add_(part)
 
 
+def _addmm(total: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
+    """``total + a @ b`` into ``total`` (no temporary product), or ``a @ b`` first."""
+    return a @ b if total is None else total.addmm_(a, b)
+
+
 class SlicedAttentionFunction(torch.autograd.Function):
     """``F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=...)`` (no mask, no dropout)
     keeping q, k and v only, packed in ``storage`` a batch slice at a time; backward decodes one
-    slice, reruns the attention on it under autograd and writes that slice's gradients. Neither
-    the output nor a full-size decoded q / k / v is kept or made in backward; forward is the one
-    call, each gradient slice is the attention's own backward on the same decoded values."""
+    slice, reruns the attention on it (``_attention_grads``) and writes that slice's gradients.
+    Neither the output nor a full-size decoded q / k / v is kept or made in backward; forward is
+    the one call, each gradient slice is the attention's own backward on the same decoded values."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None, storage: str):
@@ -175,17 +189,32 @@ class SlicedAttentionFunction(torch.autograd.Function):
             decoded = []
             for i in range(3):
                 count = ctx.counts[3 * j + i]
-                values = unpack_tensor(flat[start:start + count], ctx.storage, ctx.metas[3 * j + i])
-                decoded.append(values.detach().requires_grad_())
+                decoded.append(unpack_tensor(flat[start:start + count], ctx.storage, ctx.metas[3 * j + i]).detach())
                 start += count
-            with torch.enable_grad():
-                out = F.scaled_dot_product_attention(*decoded, is_causal=ctx.is_causal, scale=ctx.scale)
             b0 = j * ctx.step
-            parts = torch.autograd.grad(out, decoded, grad_out[b0:b0 + ctx.step])
-            del out, decoded
+            parts = _attention_grads(*decoded, grad_out[b0:b0 + ctx.step], ctx.is_causal, ctx.scale)
+            del decoded
             for g, part in zip(grads, parts, strict=True):
                 g[b0:b0 + ctx.step] = part
         return *grads, None, None, None
+
+
+def _attention_grads(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, is_causal: bool,
+                     scale: float | None) -> tuple[Tensor, ...]:
+    """SDPA's gradients at q, k, v for its output gradient ``grad``. Where SDPA would run its CPU
+    flash kernel, that kernel and its backward are called as SDPA's autograd calls them, without
+    building a graph (~0.4 ms a call saved); else SDPA reruns under autograd."""
+    if q.device.type == "cpu" and torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale) == _FLASH:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, is_causal, scale=scale)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    with torch.enable_grad():
+        out = F.scaled_dot_product_attention(*leaves, is_causal=is_causal, scale=scale)
+    return torch.autograd.grad(out, leaves, grad)
+
+
+_FLASH = int(SDPBackend.FLASH_ATTENTION)
 
 
 class SlicedRecomputedFunction(torch.autograd.Function):
@@ -197,7 +226,7 @@ class SlicedRecomputedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn: Callable[..., Tensor], storage: str, x: Tensor, *params: Tensor) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        step = max(1, SLICE_ELEMENTS // rows.shape[1])
+        step = max(1, NORM_SLICE_ELEMENTS // rows.shape[1])
         saved = [_pack_saved(rows[r0:r0 + step].detach(), storage) for r0 in range(0, rows.shape[0], step)]
         ctx.save_for_backward(*params, *(t for p in saved for t in p))
         ctx.counts, ctx.metas = [len(p) for p in saved], [tensor_meta(rows[r0:r0 + step]) for r0 in
@@ -266,11 +295,11 @@ class RecomputedGatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self._sliceable(x):
-            storages = (self.gate_proj.lessmem_spec.storage, self.__dict__.get(RULE_ATTR, ("native",))[0],
-                        self.down_proj.lessmem_spec.storage)
+            saved = self.__dict__.get(RULE_ATTR, ("native",))[0]
+            storages = (self.gate_proj.lessmem_spec.storage, saved, self.down_proj.lessmem_spec.storage)
             return SlicedGatedMLPFunction.apply(
-                self._gated, x, self.gate_proj.weight, self.gate_proj.bias, self.up_proj.weight,
-                self.up_proj.bias, self.down_proj.weight, self.down_proj.bias, storages)
+                self._unstored_act(saved) or self.act_fn, x, self.gate_proj.weight, self.gate_proj.bias,
+                self.up_proj.weight, self.up_proj.bias, self.down_proj.weight, self.down_proj.bias, storages)
         return self.down_proj(_recomputed(self._gated, self.gate_proj(x), self.up_proj(x)))
 
     def _sliceable(self, x: Tensor) -> bool:
@@ -285,8 +314,23 @@ class RecomputedGatedMLP(nn.Module):
             return False
         if torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type) or keeps_stock_path(self.gate_proj, x):
             return False
-        return all(set(p._forward_pre_hooks) | set(p._forward_hooks) <= set(p.__dict__.get(HOOK_IDS_ATTR, ()))
-                   for p in projections) and not _global_module_hooks()
+        return all(_only_saved_storage_hooks(p) for p in projections) and not _global_module_hooks()
+
+    def _unstored_act(self, saved: str) -> Callable[[Tensor], Tensor] | None:
+        """The activation's own class's forward, without its storage or hooks, where the sliced
+        Function may run that instead of the module: the activation stores nothing or stores in
+        ``saved``, the storage the gate is decoded from in backward, and a value decoded from a
+        storage comes back from it unchanged (int8: ~0.1% of elements an ulp off), so the module
+        would only repack it (a quantize and a decode per slice). Else None: the module runs."""
+        act = self.act_fn
+        storage = getattr(act, "lessmem_storage", act.__dict__.get(RULE_ATTR, ("native",))[0])
+        if storage not in ("native", saved) or not _only_saved_storage_hooks(act):
+            return None
+        return partial(act.__dict__.get(ORIGINAL_CLASS_ATTR, type(act)).forward, act)
+
+
+def _only_saved_storage_hooks(module: nn.Module) -> bool:
+    return set(module._forward_pre_hooks) | set(module._forward_hooks) <= set(module.__dict__.get(HOOK_IDS_ATTR, ()))
 
 
 class RecomputedRMSNorm(nn.Module):
