@@ -27,8 +27,14 @@ CRITERIA = {
     "grad_error": ("whole-gradient relative error", -1, True),
     "loss_change": ("first-order loss change", -1, True),
     "cosine": ("mean per-layer weight-gradient cosine", +1, False),
+    "tensor_error": ("per-tensor relative error (mean over parameter tensors)", -1, True),
     "ratio": ("saved-bytes ratio (baseline: bytes alone)", +1, False),
 }
+
+
+def criteria_of(menu: MenuResult) -> dict[str, tuple[str, int, bool]]:
+    """The criteria a menu was measured with, and the bytes baseline."""
+    return {c: v for c, v in CRITERIA.items() if c == "ratio" or c in menu.criteria}
 
 
 def kind_of(name: str) -> str:
@@ -36,7 +42,7 @@ def kind_of(name: str) -> str:
         return "stock"
     if name.startswith("random"):
         return "random"
-    if name.startswith(("grad_error", "cosine", "loss_change")):
+    if name.startswith(("grad_error", "cosine", "loss_change", "tensor_error")):
         return "chosen"
     return "uniform"
 
@@ -64,21 +70,21 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
-def bootstrap(rows: list[dict], best: str, key: str, sign: float, resamples: int = 2000,
-              seed: int = 0) -> dict[str, list[float]]:
+def bootstrap(rows: list[dict], criteria: dict[str, tuple[str, int, bool]], best: str, key: str, sign: float,
+              resamples: int = 2000, seed: int = 0) -> dict[str, list[float]]:
     """95% bootstrap intervals (maps resampled with replacement) of each criterion's rho, and of
     its difference to the best one's: is the ranking of the criteria beyond the noise of one seed?"""
     import random
 
     rng = random.Random(seed)
-    draws: dict[str, list[float]] = {c: [] for c in CRITERIA} | {f"{c}-{best}": [] for c in CRITERIA if c != best}
+    draws: dict[str, list[float]] = {c: [] for c in criteria} | {f"{c}-{best}": [] for c in criteria if c != best}
     for _ in range(resamples):
         sample = [rows[rng.randrange(len(rows))] for _ in rows]
         metric = [sign * r[key] for r in sample]
-        rho = {c: c_sign * spearman([r[c] for r in sample], metric) for c, (_, c_sign, _) in CRITERIA.items()}
+        rho = {c: c_sign * spearman([r[c] for r in sample], metric) for c, (_, c_sign, _) in criteria.items()}
         if any(math.isnan(v) for v in rho.values()):
             continue
-        for c in CRITERIA:
+        for c in criteria:
             draws[c].append(rho[c])
             if c != best:
                 draws[f"{c}-{best}"].append(rho[c] - rho[best])
@@ -96,7 +102,7 @@ def load_rows(out: Path, table: dict, menu: MenuResult, layout: dict) -> list[di
     stock = by_seed(table, "stock")[0]
     rows.append({"map": "stock", "kind": "stock", key: scale * stock[layout["metric"]], "ratio": 1.0,
                  "predicted_ratio": menu.stock_bytes / menu.stock_bytes,
-                 "grad_error": 0.0, "loss_change": 0.0, "cosine": 1.0})
+                 **{c: 1.0 if c == "cosine" else 0.0 for c in menu.criteria}})
     for path in sorted((out / "maps").glob("*.yaml")):
         m = by_seed(table, path.stem).get(0)
         if m is None:
@@ -105,7 +111,7 @@ def load_rows(out: Path, table: dict, menu: MenuResult, layout: dict) -> list[di
         score = menu.score(mapping, norm, act, saved)
         rows.append({"map": path.stem, "kind": kind_of(path.stem), key: scale * m[layout["metric"]],
                      "ratio": m["ratio"], "predicted_ratio": score["ratio"],
-                     **{c: score[c] for c in ("grad_error", "loss_change", "cosine")}})
+                     **{c: score[c] for c in menu.criteria}})
     return rows
 
 
@@ -118,10 +124,12 @@ def summarize(out: Path) -> dict:
     rows = load_rows(out, table, menu, layout)
     key, sign = layout["key"], -1.0 if layout["lower_is_better"] else 1.0
     metric = [sign * r[key] for r in rows]
-    rho = {c: c_sign * spearman([r[c] for r in rows], metric) for c, (_, c_sign, _) in CRITERIA.items()}
+    criteria = criteria_of(menu)
+    rho = {c: c_sign * spearman([r[c] for r in rows], metric) for c, (_, c_sign, _) in criteria.items()}
     best = max((c for c in rho if c != "ratio"), key=lambda c: rho[c])
     result = relative_to_repo({"maps": len(rows), "rows": rows, "spearman": rho, "best": best, "meta": menu.meta,
-                               "interval": bootstrap(rows, best, key, sign), "schedule": schedule(table["stock_config"])})
+                               "interval": bootstrap(rows, criteria, best, key, sign),
+                               "schedule": schedule(table["stock_config"])})
     (out / "summary.json").write_text(json.dumps(result, indent=2))
     (out / "summary.md").write_text(markdown(result, layout))
     plot(rows, rho, layout, out / "scatter.png")
@@ -152,19 +160,20 @@ def markdown(result: dict, layout: dict) -> str:
              f"| criterion | Spearman rho with final {label} (+1 = perfect) | 95% bootstrap interval | minus the best's rho (95%) |",
              "|---|---:|---|---|"]
     ci = result.get("interval", {})
-    for c in CRITERIA:
+    for c in rho:  # the criteria the menu has, then the bytes baseline
         lo, hi = ci.get(c, [math.nan, math.nan])
         dlo, dhi = ci.get(f"{c}-{result['best']}", [math.nan, math.nan])
         diff = "—" if c == result["best"] else f"[{dlo:+.3f}, {dhi:+.3f}]"
         lines.append(f"| {CRITERIA[c][0]} | {rho[c]:+.3f} | [{lo:+.3f}, {hi:+.3f}] | {diff} |")
+    errors = [c for c in rho if c not in ("cosine", "ratio")]
     lines += ["", f"Best predictor: **{CRITERIA[result['best']][0]}**.", "",
               f"![final {label} against each criterion](scatter.png)", "",
-              f"| map | kind | final {label} | saved ratio (measured) | predicted | grad_error | loss_change | cosine |",
-              "|---|---|---:|---:|---:|---:|---:|---:|"]
+              f"| map | kind | final {label} | saved ratio (measured) | predicted | {' | '.join(errors)} | cosine |",
+              "|---|---|---:|---:|---:|" + "---:|" * (len(errors) + 1)]
     sign = -1.0 if layout["lower_is_better"] else 1.0
     for r in sorted(result["rows"], key=lambda r: -sign * r[key]):
         lines.append(f"| {r['map']} | {r['kind']} | {r[key]:.2f} | {r['ratio']:.3f} | {r['predicted_ratio']:.3f} | "
-                     f"{r['grad_error']:.3g} | {r['loss_change']:.3g} | {r['cosine']:.4f} |")
+                     + "".join(f"{r[c]:.3g} | " for c in errors) + f"{r['cosine']:.4f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -175,8 +184,9 @@ def plot(rows: list[dict], rho: dict[str, float], layout: dict, path: Path) -> N
     import matplotlib.pyplot as plt
 
     colors = {"stock": "black", "uniform": "tab:blue", "random": "tab:orange", "chosen": "tab:green"}
-    fig, axes = plt.subplots(1, len(CRITERIA), figsize=(4 * len(CRITERIA), 3.6), sharey=True)
-    for ax, (c, (label, _, log)) in zip(axes, CRITERIA.items(), strict=True):
+    fig, axes = plt.subplots(1, len(rho), figsize=(4 * len(rho), 3.6), sharey=True)
+    for ax, c in zip(axes, rho, strict=True):
+        label, _, log = CRITERIA[c]
         for kind, color in colors.items():
             pts = [(r[c], r[layout["key"]]) for r in rows if r["kind"] == kind and (not log or r[c] > 0)]
             if pts:

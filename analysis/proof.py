@@ -120,10 +120,11 @@ def uniform_choices(menu: MenuResult, preset: Preset) -> dict[str, MapChoice]:
 
 
 def plan(menu: MenuResult, preset: Preset, budgets: list[float], per_budget: int,
-         criterion: str) -> tuple[dict[str, MapChoice], dict[str, dict]]:
-    """(config -> map, config -> {"home", "uniform"}): per budget the knapsack's map and the
-    ``per_budget`` fitting uniform options that spend most of it, each at its home budget (the
-    tightest it fits, or where it was picked)."""
+         criterion: str, compared: list[str]) -> tuple[dict[str, MapChoice], dict[str, dict]]:
+    """(config -> map, config -> {"home", "uniform"}): per budget the knapsack's map
+    (``chosen_<budget>``), the knapsack's maps of the ``compared`` criteria (``<criterion>_<budget>``)
+    and the ``per_budget`` fitting uniform options that spend most of it, each at its home budget
+    (the tightest it fits, or where it was picked)."""
     uniform = uniform_choices(menu, preset)
     maps: dict[str, MapChoice] = {}
     configs: dict[str, dict] = {"stock": {"home": "all", "uniform": False}}
@@ -131,6 +132,9 @@ def plan(menu: MenuResult, preset: Preset, budgets: list[float], per_budget: int
         name = budget_name(budget)
         maps[f"chosen_{name}"] = menu.make_map(budget, criterion)
         configs[f"chosen_{name}"] = {"home": name, "uniform": False}
+        for other in compared:
+            maps[f"{other}_{name}"] = menu.make_map(budget, other)
+            configs[f"{other}_{name}"] = {"home": name, "uniform": False}
         fitting = sorted((c for c in uniform.items() if c[1].score["ratio"] <= budget),
                          key=lambda c: -c[1].score["ratio"])
         for config, choice in fitting[:per_budget]:
@@ -182,7 +186,7 @@ def criterion_maps(menu: MenuResult, preset: Preset, budgets: list[float], n: in
     (options drawn around a per-map aggressiveness) in empty ratio bins."""
     maps: dict[str, MapChoice] = {}
     for budget in budgets:
-        for criterion in CRITERIA:
+        for criterion in menu.criteria:
             maps[f"{criterion}_{budget_name(budget)}"] = menu.make_map(budget, criterion)
     maps |= uniform_choices(menu, preset)
     maps = dict(list(maps.items())[:n])
@@ -229,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=list(range(8)))
     p.add_argument("--configs", nargs="+", default=None, help="only these configurations (fnmatch patterns; stock always)")
     p.add_argument("--criterion", default=DEFAULT_CRITERION, choices=CRITERIA, help="the knapsack's criterion")
+    p.add_argument("--compare-criteria", nargs="+", default=[], choices=CRITERIA, metavar="CRITERION",
+                   help="also train the knapsack's maps of these criteria (<criterion>_<budget>)")
     p.add_argument("--uniform-per-budget", type=int, default=2)
     p.add_argument("--menu", type=Path, default=None, help="a menu.json to use instead of measuring one")
     p.add_argument("--search-trials", type=int, default=10, help="0: no menu search")
@@ -252,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         configs = {"stock": {"home": "all", "uniform": False}} | {n: {"home": "all", "uniform": False} for n in maps}
         args.seeds, args.search_trials = args.seeds[:1], 0
     else:
-        maps, configs = plan(menu, preset, args.budgets, args.uniform_per_budget, args.criterion)
+        maps, configs = plan(menu, preset, args.budgets, args.uniform_per_budget, args.criterion,
+                             args.compare_criteria)
     for name, choice in maps.items():
         write_map(out, name, choice, f"{args.model} proof map {name}")
     jobs = jobs_for(out, preset, args, configs, menu_path)

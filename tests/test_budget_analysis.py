@@ -197,9 +197,12 @@ def test_proof_driver_plans_maps_that_fit_and_runs_each_search_before_its_best_m
                         options)
     menu.save(tmp_path / "menu", heatmap=False)
     preset = proof.PRESETS["resnet20"]
-    maps, configs = proof.plan(menu, preset, [0.125, 0.05], per_budget=2, criterion="grad_error")
+    maps, configs = proof.plan(menu, preset, [0.125, 0.05], per_budget=2, criterion="grad_error",
+                               compared=["tensor_error"])
     for budget in ("0.125", "0.05"):
         assert maps[f"chosen_{budget}"].score["ratio"] <= float(budget)
+        assert maps[f"tensor_error_{budget}"].score["ratio"] <= float(budget)
+        assert configs[f"tensor_error_{budget}"] == {"home": budget, "uniform": False}
         uniform = [c for c, info in configs.items() if info["uniform"] and info["home"] == budget]
         assert 1 <= len(uniform) <= 2 and all(maps[c].score["ratio"] <= float(budget) for c in uniform)
     import argparse

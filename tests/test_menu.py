@@ -97,6 +97,46 @@ def test_norm_probe_is_an_actual_compressed_backward(menu: MenuResult) -> None:
     assert item.mean("grad_error")[item.index("int2")] > item.mean("grad_error")[item.index("int8")] > 0
 
 
+def tensor_errors(approx: torch.Tensor, exact: torch.Tensor, model: torch.nn.Module) -> float:
+    """Mean over parameter tensors with a gradient of ||approx_t - exact_t||^2 / ||exact_t||^2."""
+    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+    errs = [float((a - e).square().sum() / e.square().sum())
+            for a, e in zip(approx.split(sizes), exact.split(sizes), strict=True) if e.any()]
+    return sum(errs) / len(errs)
+
+
+def test_tensor_error_is_the_mean_per_tensor_error_of_a_compressed_backward(menu: MenuResult) -> None:
+    """``tensor_error`` of a map, conv items (analytic) and a BatchNorm probe (an actual backward)
+    alike: each parameter tensor's relative error, averaged over the tensors."""
+    mapping = {"0": "2", "3.conv1": "int8_rn", "3.down": "4/bf16_rn", "3.conv2": "2/int8_rn", "4": "4"}
+    conv_errors, norm_errors = [], []
+    state = rounding_state()
+    for batch_no, batch in enumerate(batches()):
+        model = tiny_cnn().train()
+        exact = whole_grad(copy.deepcopy(model), batch)
+        conv_errors.append(tensor_errors(whole_grad(lessmem.compress(copy.deepcopy(model), mapping), batch),
+                                         exact, model))
+        load_rounding_state({"seed": 0x5EED + batch_no, "calls": 0})
+        approx = whole_grad(lessmem.compress(model, None, norm_storage={"3.bn1": "int2"}), batch)
+        load_rounding_state(state)
+        norm_errors.append(tensor_errors(approx, exact, model))
+    assert menu.score(mapping)["tensor_error"] == pytest.approx(sum(conv_errors) / len(conv_errors), rel=1e-6)
+    item = next(i for i in menu.items if i.name == "3.bn1")
+    assert item.mean("tensor_error")[item.index("int2")] == pytest.approx(sum(norm_errors) / len(norm_errors),
+                                                                          rel=1e-6)
+
+
+def test_a_menu_measured_before_a_criterion_scores_without_it(menu: MenuResult) -> None:
+    d = menu.to_dict()
+    for item in d["items"]:
+        del item["criteria"]["tensor_error"]
+    old = MenuResult.from_dict(d)
+    assert "tensor_error" not in old.criteria and "tensor_error" not in old.score({"0": "2"})
+    assert old.score({"0": "2"})["grad_error"] == menu.score({"0": "2"})["grad_error"]
+    with pytest.raises(ValueError, match="measured without criterion 'tensor_error'"):
+        old.make_map(0.5, "tensor_error")
+
+
 def test_measurement_leaves_model_and_rounding_stream_alone() -> None:
     model = tiny_cnn().train()
     before = copy.deepcopy(model.state_dict())

@@ -5,7 +5,7 @@ One item per place a map can compress: every Conv2d input and every token-poolin
 of k tokens), every BatchNorm2d input and every GELU / SiLU input, and every saved-tensor region
 (``lessmem.sensitivity.regions``: what a module other than those saves itself, a norm's input,
 attention's q / k / v / output, a gated product; options: a storage, its bytes measured with the
-option applied). Per item, option and batch three criteria:
+option applied). Per item, option and batch four criteria:
 
 - ``grad_error``: ||g_hat - g||^2 / ||g||^2 with g the whole parameter gradient. A conv input
   touches only its own weight gradient and leaves the backward exact, so these add up over conv
@@ -16,6 +16,11 @@ option applied). Per item, option and batch three criteria:
   first order (additive in the same way); a map's score is the absolute value of the sum.
 - ``cosine``: cosine of the layer's weight gradient (conv) or of the whole gradient (probes);
   a map's score is the mean over items (the issue-12 criterion).
+- ``tensor_error``: the mean over parameter tensors of ||g_hat_t - g_t||^2 / ||g_t||^2, every
+  tensor counting alike (additive like ``grad_error``). Behind BatchNorm a conv's output scale does
+  not matter, only its gradient's direction does, and BatchNorm's own weight and bias, a tiny
+  share of the whole gradient's norm, are where lossy BatchNorm inputs do their harm: the whole
+  gradient's error cannot see it (docs/proofs.md, resnet20 at 0.08x).
 
 Bytes: what each option keeps, exactly as ``lessmem.measure_memory`` counts it. A map's total is
 ``base_bytes`` (everything no item controls, under exact companions) plus the items' bytes, with
@@ -37,7 +42,7 @@ from lessmem.sensitivity.knapsack import least_value_choice
 from lessmem.sensitivity.menu_plot import plot_menu
 from lessmem.sensitivity.regions import region_rule
 
-CRITERIA = ("grad_error", "loss_change", "cosine")
+CRITERIA = ("grad_error", "loss_change", "cosine", "tensor_error")
 # The criterion make_map uses unless told otherwise: the one whose ranking of trained maps matched
 # their accuracy best in the criterion check (docs/results/criterion_check/summary.md).
 DEFAULT_CRITERION = "cosine"
@@ -65,6 +70,12 @@ class MenuResult:
 
     # ---- scoring --------------------------------------------------------------------------------
 
+    @property
+    def criteria(self) -> tuple[str, ...]:
+        """The criteria every item was measured with (a menu measured before ``tensor_error``
+        existed lacks it)."""
+        return tuple(c for c in CRITERIA if all(c in i.criteria for i in self.items))
+
     def options_of(self, mapping: Mapping[str, Any] | None, norm_storage: StorageRule = "native",
                    act_storage: StorageRule = "native", saved_storage: StorageRule = "native") -> dict[str, str]:
         """Item name -> the option a map (as ``lessmem.compress`` reads it) gives it. A saved-region
@@ -88,19 +99,20 @@ class MenuResult:
         return self._score(self.options_of(mapping, norm_storage, act_storage, saved_storage))
 
     def _score(self, chosen: Mapping[str, str]) -> dict[str, float]:
-        totals = dict.fromkeys(CRITERIA, 0.0)
+        criteria = self.criteria
+        totals = dict.fromkeys(criteria, 0.0)
         group_options: dict[tuple[int, str], int] = {}
         nbytes = self.base_bytes
         for item in self.items:
             j = item.index(chosen[item.name])
-            for c in CRITERIA:
+            for c in criteria:
                 totals[c] += item.mean(c)[j]
             if item.group is None:
                 nbytes += item.nbytes[j]
             else:  # a shared input keeps each distinct option once
                 group_options[(item.group, item.options[j])] = item.nbytes[j]
         nbytes += sum(group_options.values())
-        return {"grad_error": totals["grad_error"], "loss_change": abs(totals["loss_change"]),
+        return {**totals, "loss_change": abs(totals["loss_change"]),
                 "cosine": totals["cosine"] / max(len(self.items), 1), "bytes": float(nbytes),
                 "ratio": nbytes / self.stock_bytes}
 
@@ -115,6 +127,9 @@ class MenuResult:
         more or less than the criterion does; the score returned is the unweighted one."""
         if criterion not in CRITERIA:
             raise ValueError(f"unknown criterion {criterion!r}; choose one of {', '.join(CRITERIA)}")
+        if criterion not in self.criteria:
+            raise ValueError(f"this menu was measured without criterion {criterion!r} (have "
+                             f"{', '.join(self.criteria)}); measure it again to use it")
         if budget <= 0:
             raise ValueError(f"budget must be > 0, got {budget}")
         limit = budget * self.stock_bytes if budget <= 1 else float(budget)
@@ -186,10 +201,10 @@ class MenuResult:
     def rows(self) -> list[dict[str, Any]]:
         out = []
         for item in self.items:
-            means = {c: item.mean(c) for c in CRITERIA}
+            means = {c: item.mean(c) for c in self.criteria}
             for j, option in enumerate(item.options):
                 out.append({"item": item.name, "kind": item.kind, "option": option, "bytes": item.nbytes[j],
-                            **{c: means[c][j] for c in CRITERIA}})
+                            **{c: means[c][j] for c in means}})
         return out
 
     def to_dict(self) -> dict[str, Any]:

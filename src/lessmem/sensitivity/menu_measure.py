@@ -75,9 +75,10 @@ def measure_menu(
     recorder = _MenuRecorder(layers, conv_options)
     lossy_inputs = _InputSizes(net, [*reach["norm_storage"], *reach["act_storage"]])
     params = [p for p in net.parameters() if p.requires_grad]
+    sizes = [p.numel() for p in params]
     device = params[0].device
     state, first = rounding_state(), None
-    probe_stats: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    probe_stats: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
     n_batches = 0
     try:
         for batch_no, batch in enumerate(batches):
@@ -86,7 +87,8 @@ def measure_menu(
             first = first if first is not None else x
             exact = _flat_grad(net, params, x, y, loss_fn, batch_no, hooks=(recorder, lossy_inputs))
             norm2 = float(exact.square().sum())
-            recorder.finish_batch(norm2)
+            tensor_norm2 = [float(t.square().sum()) for t in exact.split(sizes)]
+            recorder.finish_batch(norm2, sum(n > 0 for n in tensor_norm2))
             if batch_no == 0:  # the exact-companion model's bytes: what every option is measured against
                 exact_total = measure_memory(net, x).total_bytes
                 if lossy_saved:
@@ -100,7 +102,8 @@ def measure_menu(
                 approx = _flat_grad(net, params, x, y, loss_fn, batch_no)
                 sq_err, dot, cos = _error_terms(exact, approx)
                 probe_stats.setdefault((name, storage), []).append(
-                    (sq_err / norm2, dot / norm2, cos) if norm2 > 0 else (0.0, 0.0, 1.0))
+                    (sq_err / norm2, dot / norm2, cos, _tensor_error(exact - approx, sizes, tensor_norm2))
+                    if norm2 > 0 else (0.0, 0.0, 1.0, 0.0))
             compress(net, None)
             n_batches += 1
     finally:
@@ -117,7 +120,7 @@ def measure_menu(
         numel, elem = lossy_inputs.sizes[name] if kind != "saved" else (region_bytes[name], 1)
         rows = {c: [[0.0 if o == "native" else probe_stats[(name, o)][b][i] for o in options]
                     for b in range(n_batches)]
-                for i, c in enumerate(("grad_error", "loss_change", "cosine"))}
+                for i, c in enumerate(("grad_error", "loss_change", "cosine", "tensor_error"))}
         for b in range(n_batches):
             rows["cosine"][b][0] = 1.0
         native = numel * elem
@@ -213,6 +216,13 @@ def _error_terms(exact: Tensor, approx: Tensor) -> tuple[float, float, float]:
     return float(diff @ diff), float(e @ diff), cos
 
 
+def _tensor_error(diff: Tensor, sizes: list[int], tensor_norm2: list[float]) -> float:
+    """Mean over the parameter tensors with a gradient of ||diff_t||^2 / ||g_t||^2 (the
+    ``tensor_error`` criterion)."""
+    errors = [float(d.square().sum()) / n for d, n in zip(diff.split(sizes), tensor_norm2, strict=True) if n > 0]
+    return sum(errors) / len(errors) if errors else 0.0
+
+
 class _InputSizes:
     """(numel, element size) of the input of each named layer, from forward pre-hooks."""
 
@@ -236,7 +246,8 @@ class _MenuRecorder:
 
     def __init__(self, layers: list[SensitivityLayer], options: list[tuple[int, str]]) -> None:
         self.layers, self.options = layers, options
-        self.raw: dict[str, list[tuple[float, float, float]]] = {}  # per option of the current batch
+        # per option of the current batch: squared error, inner product, cosine, squared error / ||g_w||^2
+        self.raw: dict[str, list[tuple[float, float, float, float]]] = {}
         self.stats: dict[str, dict[str, list[list[float]]]] = {}
         self.shapes: dict[str, tuple[tuple[int, ...], int]] = {}
         self.groups: dict[str, tuple[int, tuple[int, ...], str]] = {}
@@ -271,19 +282,23 @@ class _MenuRecorder:
             x = layer.pre_pad(x)
         self.shapes[layer.name] = (tuple(x.shape), x.element_size())
         exact = linear_weight_grad(grad_out, x) if tokens else conv_weight_grad(layer, grad_out, x)
-        self.raw[layer.name] = [
-            (0.0, 0.0, 1.0) if k == 1 and storage == "native"
-            else _error_terms(exact, pooled_weight_grad(layer, grad_out, x, k, storage))
-            for k, storage in self.options
-        ]
+        own2 = float(exact.double().square().sum())
+        rows = [(0.0, 0.0, 1.0) if k == 1 and storage == "native"
+                else _error_terms(exact, pooled_weight_grad(layer, grad_out, x, k, storage))
+                for k, storage in self.options]
+        self.raw[layer.name] = [(*r, r[0] / own2 if own2 > 0 else 0.0) for r in rows]
 
-    def finish_batch(self, grad_norm2: float) -> None:
+    def finish_batch(self, grad_norm2: float, n_tensors: int) -> None:
+        """Normalise the batch's terms: by the whole gradient's squared norm, and (``tensor_error``:
+        a conv or linear input touches its own weight tensor only) by the number of parameter
+        tensors with a gradient."""
         scale = 1.0 / grad_norm2 if grad_norm2 > 0 else 0.0
         for name, rows in self.raw.items():
-            stats = self.stats.setdefault(name, {"grad_error": [], "loss_change": [], "cosine": []})
+            stats = self.stats.setdefault(name, {"grad_error": [], "loss_change": [], "cosine": [], "tensor_error": []})
             stats["grad_error"].append([r[0] * scale for r in rows])
             stats["loss_change"].append([r[1] * scale for r in rows])
             stats["cosine"].append([r[2] for r in rows])
+            stats["tensor_error"].append([r[3] / max(n_tensors, 1) for r in rows])
         self.raw = {}
 
     def items(self, n_batches: int) -> list[MenuItem]:
