@@ -283,7 +283,7 @@ class _Stepper:
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 return measure_step_memory(self.net, self.batch, loss_fn=self.loss_fn, amp_dtype=self.amp_dtype,
-                                           optimizer=self.opt, warmup_steps=warmup)
+                                           optimizer=self.opt, warmup_steps=warmup, live=False)
         finally:
             load_rounding_state(state)
 
