@@ -148,9 +148,10 @@ def main() -> None:
         choice = lessmem.fit(model, batch, row["budget"], optimizer=sgd, loss_fn=loss_fn)
         t_choice = time.perf_counter() - t0
         t_after = step_time(copy.deepcopy(model).train(), batch, loss_fn, args.steps)
-        row.update(choice_s=t_choice, choice_steps=t_choice / t_after)
+        row.update(choice_s=t_choice, choice_steps=t_choice / t_after, choice_peak_mib=choice.step_peak_bytes / MIB)
         print(f"choice at {row['budget_mib']:.1f} MiB on a fresh cache: {t_choice:.1f}s = {t_choice / t_after:.1f} "
-              f"stock steps ({t_after:.2f}s each, timed right after), {choice.verified} verified", flush=True)
+              f"stock steps ({t_after:.2f}s each, timed right after), {choice.verified} verified, peak "
+              f"{choice.step_peak_bytes / MIB:.1f} MiB (predicted {choice.predicted_peak_bytes / MIB:.1f})", flush=True)
     net = checkpointed(model).train()
     ck = {"checkpoint_peak_mib": peak(net, batch, loss_fn) / MIB, "checkpoint_step_s": step_time(net, batch, loss_fn, args.steps),
           "stock_peak_mib": profile.stock_peak / MIB, "stock_step_s": t_step}
