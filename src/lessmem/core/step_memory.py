@@ -102,27 +102,29 @@ def measure_step_memory(
     loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy,
     amp_dtype: torch.dtype | None = None,
     warmup_steps: int = 1,
+    live: bool = True,
 ) -> StepMemoryReport:
     """Peak memory of one ``training_step`` on ``batch`` = (inputs, targets), after
     ``warmup_steps`` unmeasured ones (they create the optimizer state and build lazy kernels).
 
     The steps are real: they update the parameters, buffers and optimizer state; measure a
     copy when those matter. Gradients are cleared before the measured step, as a training loop
-    that clears them at the start of each step has them."""
+    that clears them at the start of each step has them. ``live=False`` leaves ``report.live``
+    empty (naming the live tensors replays the timeline once more)."""
     def step() -> None:
         training_step(model, batch, optimizer, loss_fn, amp_dtype)
 
     for _ in range(warmup_steps):
         step()
     model.zero_grad(set_to_none=True)
-    with track_step_memory(batch[0].device) as tracker:
+    with track_step_memory(batch[0].device, live=live) as tracker:
         step()
     assert tracker.report is not None
     return tracker.report
 
 
 @contextmanager
-def track_step_memory(device: torch.device | str) -> Iterator[StepMemoryTracker]:
+def track_step_memory(device: torch.device | str, live: bool = True) -> Iterator[StepMemoryTracker]:
     """Profile the memory of the training step run inside the block, on ``device``:
 
         with track_step_memory("cuda") as tracker:
@@ -157,7 +159,7 @@ def track_step_memory(device: torch.device | str) -> Iterator[StepMemoryTracker]
         device=str(device),
         method="torch.cuda.max_memory_allocated" if on_cuda else "profiler: CPU tensor allocations",
         live=live_at_peak(memory_profile, device, peak_time,
-                          lambda key, version: CATEGORY_NAMES[categories.get(key, version)]),
+                          lambda key, version: CATEGORY_NAMES[categories.get(key, version)]) if live else [],
     )
 
 

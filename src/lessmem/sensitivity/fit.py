@@ -35,6 +35,7 @@ from lessmem.core import (
     load_rounding_state,
     measure_step_memory,
     rounding_state,
+    uncompress,
 )
 from lessmem.sensitivity.byte_sizes import format_bytes, parse_bytes
 from lessmem.sensitivity.menu import DEFAULT_CRITERION, MapChoice, MenuResult
@@ -255,24 +256,34 @@ def smallest_map(menu: MenuResult, criterion: str = DEFAULT_CRITERION) -> MapCho
 
 
 class _Stepper:
-    """Whole-step peaks of copies of one model on one batch, with the optimizer, loss and precision
-    of the run; the model, the rounding stream and the RNG are left as they were."""
+    """Whole-step peaks of one copy of a model on one batch, with the optimizer, loss and precision
+    of the run; the model, the rounding stream and the RNG are left as they were. The copy and its
+    optimizer serve every map: the first measurement warms them up (optimizer state, lazy kernels),
+    later ones recompress the copy and measure one step (a fresh copy's warm-up step would cost a
+    training step per map; the peak is the same bytes)."""
 
     def __init__(self, model: nn.Module, batch: tuple[Tensor, Tensor], optimizer: OptimizerFactory | None,
                  loss_fn: LossFn, amp_dtype: torch.dtype | None) -> None:
         self.model, self.batch, self.optimizer = model, batch, optimizer
         self.loss_fn, self.amp_dtype = loss_fn, amp_dtype
+        self.net: nn.Module | None = None
+        self.opt: torch.optim.Optimizer | None = None
 
     def peak(self, plan: CompressionPlan | None):
-        net = copy.deepcopy(self.model).train()
-        if plan is not None:
-            compress(net, plan)
+        warmup = int(self.net is None)
+        if self.net is None:
+            self.net = copy.deepcopy(self.model).train()
+            self.opt = self.optimizer(self.net.parameters()) if self.optimizer else None
+        if plan is None:
+            uncompress(self.net)
+        else:
+            compress(self.net, plan)
         device = self.batch[0].device
         state = rounding_state()
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                return measure_step_memory(net, self.batch, loss_fn=self.loss_fn, amp_dtype=self.amp_dtype,
-                                           optimizer=self.optimizer(net.parameters()) if self.optimizer else None)
+                return measure_step_memory(self.net, self.batch, loss_fn=self.loss_fn, amp_dtype=self.amp_dtype,
+                                           optimizer=self.opt, warmup_steps=warmup, live=False)
         finally:
             load_rounding_state(state)
 

@@ -29,6 +29,7 @@ from lessmem.core import (
     storable_layers,
     stored_bytes,
 )
+from lessmem.core.memory import saved_tensors_of
 from lessmem.sensitivity.geometry import (
     SensitivityLayer,
     TokenLinearLayer,
@@ -85,21 +86,23 @@ def measure_menu(
             x, y = _split(batch)
             x, y = x.to(device), None if y is None else y.to(device)
             first = first if first is not None else x
-            exact = _flat_grad(net, params, x, y, loss_fn, batch_no, hooks=(recorder, lossy_inputs))
+            exact, saved = _flat_grad(net, params, x, y, loss_fn, batch_no, hooks=(recorder, lossy_inputs),
+                                      count_saved=batch_no == 0)
             norm2 = float(exact.square().sum())
             tensor_norm2 = [float(t.square().sum()) for t in exact.split(sizes)]
             recorder.finish_batch(norm2, sum(n > 0 for n in tensor_norm2))
             if batch_no == 0:  # the exact-companion model's bytes: what every option is measured against
-                exact_total = measure_memory(net, x).total_bytes
+                exact_total = saved
                 if lossy_saved:
                     items_named = {*(layer.name for layer in layers), *reach["norm_storage"], *reach["act_storage"]}
                     regions, units, region_bytes = _saved_regions(net, x, items_named, lossy_saved, probe_delta)
                     probes += [("saved", n, s) for n in units for s in lossy_saved]
             for kind, name, storage in probes:
                 _apply_probe(net, kind, name, storage, regions, units)
-                if batch_no == 0 and kind != "saved":  # measured, not assumed: a companion may keep the input anyway
-                    probe_delta[(name, storage)] = measure_memory(net, x).total_bytes - exact_total
-                approx = _flat_grad(net, params, x, y, loss_fn, batch_no)
+                count = batch_no == 0 and kind != "saved"  # measured, not assumed: a companion may keep the input anyway
+                approx, saved = _flat_grad(net, params, x, y, loss_fn, batch_no, count_saved=count)
+                if count:
+                    probe_delta[(name, storage)] = saved - exact_total
                 sq_err, dot, cos = _error_terms(exact, approx)
                 probe_stats.setdefault((name, storage), []).append(
                     (sq_err / norm2, dot / norm2, cos, _tensor_error(exact - approx, sizes, tensor_norm2))
@@ -188,21 +191,28 @@ def _default_loss(out: Tensor, target: Tensor | None) -> Tensor:
 
 def _flat_grad(net: nn.Module, params: list[nn.Parameter], x: Tensor, y: Tensor | None,
                loss_fn: Callable[[Tensor, Tensor | None], Tensor], batch_no: int,
-               hooks: tuple = ()) -> Tensor:
-    """The whole parameter gradient of one batch, flattened (float64); the same rounding noise and
-    RNG draws for every pass over batch ``batch_no``."""
+               hooks: tuple = (), count_saved: bool = False) -> tuple[Tensor, int]:
+    """The whole parameter gradient of one batch, flattened (float64), and with ``count_saved`` the
+    bytes its forward saved for backward (``measure_memory``'s total, counted in this pass rather
+    than in a forward of its own); the same rounding noise and RNG draws for every pass over batch
+    ``batch_no``."""
     load_rounding_state({"seed": 0x5EED + batch_no, "calls": 0})
     handles = [h for hook in hooks for h in hook.attach()]
     try:
         with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
             torch.manual_seed(batch_no)
-            loss = loss_fn(net(x), y)
+            if count_saved:
+                records, out = saved_tensors_of(net, (x,))
+                saved = sum(r.nbytes for r in records)
+            else:
+                out, saved = net(x), 0
+            loss = loss_fn(out, y)
             grads = torch.autograd.grad(loss, params, allow_unused=True)
     finally:
         for h in handles:
             h.remove()
     return torch.cat([(torch.zeros_like(p) if g is None else g).detach().double().flatten()
-                      for p, g in zip(params, grads, strict=True)])
+                      for p, g in zip(params, grads, strict=True)]), saved
 
 
 def _error_terms(exact: Tensor, approx: Tensor) -> tuple[float, float, float]:
