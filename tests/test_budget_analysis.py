@@ -266,6 +266,6 @@ def test_criterion_check_on_a_tiny_language_model(tmp_path: Path) -> None:
     assert proof.main(["--model", "tiny_llama", "--out", str(tmp_path), "--budgets", "0.3", "--criterion-check", "3",
                        "--set", *tiny, "--workers", "2"]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["maps"] >= 4 and set(summary["spearman"]) == {"grad_error", "loss_change", "cosine", "ratio"}
+    assert summary["maps"] >= 4 and set(summary["spearman"]) == {"grad_error", "loss_change", "cosine", "tensor_error", "ratio"}
     assert all(math.isfinite(r["val_ppl"]) for r in summary["rows"])
     assert "Spearman rho with final val_ppl" in (tmp_path / "summary.md").read_text()
