@@ -64,6 +64,14 @@ def test_budget_holds(setup, tmp_path: Path) -> None:
     # From the cache: the menu and the measured points of the first search (a map may change with them).
     again = lessmem.fit(model, batch, budget, optimizer=sgd)
     assert again.step_peak_bytes <= budget and len(list((tmp_path / "budget").glob("*.json"))) == 1
+    # A cache written before a criterion existed is measured again, not a failed choice.
+    (cached,) = (tmp_path / "budget").glob("*.json")
+    older = json.loads(cached.read_text())
+    for item in older["menu"]["items"]:
+        del item["criteria"]["tensor_error"]
+    cached.write_text(json.dumps(older))
+    assert lessmem.fit(model, batch, budget, optimizer=sgd).step_peak_bytes <= budget
+    assert all("tensor_error" in i["criteria"] for i in json.loads(cached.read_text())["menu"]["items"])
 
 
 def test_profile_interpolates_between_measured_maps(setup) -> None:

@@ -38,7 +38,7 @@ from lessmem.core import (
     uncompress,
 )
 from lessmem.sensitivity.byte_sizes import format_bytes, parse_bytes
-from lessmem.sensitivity.menu import DEFAULT_CRITERION, MapChoice, MenuResult
+from lessmem.sensitivity.menu import CRITERIA, DEFAULT_CRITERION, MapChoice, MenuResult
 from lessmem.sensitivity.menu_measure import measure_menu
 from lessmem.sensitivity.menu_options import MenuOptions
 from lessmem.sensitivity.peak_model import PeakModel
@@ -319,10 +319,12 @@ def _load(path: Path) -> BudgetProfile | None:
         return None
     try:
         d: Mapping[str, Any] = json.loads(path.read_text())
+        menu = MenuResult.from_dict(d["menu"]) if d["menu"] else None
+        if menu is not None and menu.criteria != CRITERIA:
+            return None  # measured before a criterion existed
         return BudgetProfile(
             int(d["batch_size"]), int(d["stock_peak"]),
-            MenuResult.from_dict(d["menu"]) if d["menu"] else None,
-            MapChoice(**d["floor_map"]) if d["floor_map"] else None, d["floor_peak"],
+            menu, MapChoice(**d["floor_map"]) if d["floor_map"] else None, d["floor_peak"],
             PeakModel([tuple(p) for p in d["points"]], float(d["static_bytes"])))
     except (ValueError, KeyError, TypeError):  # a torn or older file: measure again
         return None
