@@ -215,6 +215,12 @@ def budget_section(results: Path, docs: Path) -> list[str]:
         ("budget_proof_long/summary.md", "The same at 4x4's bytes on the issue-12 schedule (4 epochs x 20k)",
          "python analysis/proof.py --out docs/results/budget_proof_long --reuse docs/results/proof "
          "--configs chosen_4x4 int8_bn8 stock, then python analysis/proof_summary.py docs/results/budget_proof_long"),
+        ("criterion_check_tensor_error/summary.md", "The criterion check again, with the per-tensor error",
+         "lessmem-sensitivity on epoch-1 stock weights into docs/results/criterion_check_tensor_error/menu, then "
+         "python analysis/criterion_summary.py docs/results/criterion_check_tensor_error"),
+        ("proof_resnet20/summary.md", "At 0.08x on the issue-12 schedule: the cosine's map, the per-tensor error's map, "
+         "uniform options", "python analysis/proof.py --model resnet20 --out docs/results/proof_resnet20 --budgets 0.08 "
+         "--search-trials 0 --compare-criteria tensor_error, then python analysis/proof_summary.py"),
     ):
         md = results / sub
         lines += [f"### {title}", ""]
@@ -274,6 +280,13 @@ FOLDERS = [
     "| [results/budget_proof_long](results/budget_proof_long/summary.md) | `python analysis/proof.py --out "
     "docs/results/budget_proof_long --reuse docs/results/proof --configs chosen_4x4 int8_bn8 stock` "
     "| `python analysis/proof_summary.py docs/results/budget_proof_long` |",
+    "| [results/criterion_check_tensor_error](results/criterion_check_tensor_error/summary.md) | the criterion "
+    "check's runs (runs.json copied); menu: `lessmem-sensitivity model=resnet20 dataset.train_subset=10000 "
+    "sensitivity.batches=8 sensitivity.batch_size=32 sensitivity.checkpoint=EPOCH1.pt` | "
+    "`python analysis/criterion_summary.py docs/results/criterion_check_tensor_error` |",
+    "| [results/proof_resnet20](results/proof_resnet20/summary.md) | `python analysis/proof.py --model resnet20 "
+    "--out docs/results/proof_resnet20 --budgets 0.08 --search-trials 0 --compare-criteria tensor_error` "
+    "| `python analysis/proof_summary.py docs/results/proof_resnet20` |",
     "| [results/proof_tiny_llama](results/proof_tiny_llama/summary.md) | `python analysis/proof.py --model "
     "tiny_llama --out docs/results/proof_tiny_llama --budgets 0.25 --search-trials 0 --uniform-per-budget 1` "
     "(+ the `lossy_int8` runs, see its summary) | `python analysis/proof_summary.py docs/results/proof_tiny_llama` |",
