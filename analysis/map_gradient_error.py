@@ -7,8 +7,9 @@ where a map's error lands (docs/proofs.md: lossy BatchNorm inputs at 0.08x on re
     python analysis/map_gradient_error.py CHECKPOINT MAP.yaml [MAP.yaml ...] [--menu MENU.json]
         [--batches 4] [--batch-size 32]
 
-CHECKPOINT: a run's checkpoint.pt (its config names the model and the image dataset); batches are
-drawn from the training images (seed 0), one rounding draw per batch.
+CHECKPOINT: a run's checkpoint.pt (its config names the model, the dataset and the loss); the
+batches are the dataset's first fixed training batches of seed 0 (what ``lessmem-sensitivity``
+measures on), one rounding draw per batch.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import copy
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from lessmem.core import compress
-from lessmem.models.registry import build_model
+from lessmem.experiment import build_model_from_cfg, fixed_batches, load_checkpoint, task_of
 from lessmem.sensitivity import MenuResult, read_map_yaml
 
 
@@ -35,11 +36,11 @@ def groups(model: nn.Module) -> dict[str, list[int]]:
     return out
 
 
-def gradients(model: nn.Module, batches: list[tuple[Tensor, Tensor]]) -> list[list[Tensor]]:
+def gradients(model: nn.Module, batches: list[tuple[Tensor, Tensor]], loss_fn: nn.Module) -> list[list[Tensor]]:
     out = []
     for x, y in batches:
         model.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        loss_fn(model(x), y).backward()
         out.append([p.grad.detach().double().clone() for p in model.parameters()])
     return out
 
@@ -60,19 +61,6 @@ def errors(approx: list[list[Tensor]], exact: list[list[Tensor]], parts: dict[st
     return result
 
 
-def image_batches(cfg: dict, n: int, size: int) -> list[tuple[Tensor, Tensor]]:
-    import torchvision
-    from torchvision import transforms
-
-    data = cfg["dataset"]
-    tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize(data["mean"], data["std"])])
-    images = torchvision.datasets.ImageFolder(str(Path(data["root"]) / "train"), tf)
-    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))[: n * size]
-    xs = torch.stack([images[int(i)][0] for i in order])
-    ys = torch.tensor([images[int(i)][1] for i in order])
-    return [(xs[i : i + size], ys[i : i + size]) for i in range(0, n * size, size)]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", type=Path)
@@ -81,20 +69,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=32)
     args = p.parse_args(argv)
-    state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
-    cfg = state["config"]
-    model_cfg = {k: v for k, v in cfg["model"].items() if k not in ("name", "num_classes")}
-    net = build_model(cfg["model"]["name"], int(cfg["model"]["num_classes"]), **model_cfg)
-    net.load_state_dict(state["model"])
+    cfg = OmegaConf.create(torch.load(args.checkpoint, map_location="cpu", weights_only=True)["config"])
+    net = build_model_from_cfg(cfg)
+    load_checkpoint(net, args.checkpoint)
     net.train()
-    batches = image_batches(cfg, args.batches, args.batch_size)
-    exact = gradients(copy.deepcopy(net), batches)
+    batches = fixed_batches(cfg, args.batches, args.batch_size)
+    loss_fn = task_of(cfg).criterion
+    exact = gradients(copy.deepcopy(net), batches, loss_fn)
     parts = groups(net)
     menu = MenuResult.load(args.menu) if args.menu else None
     for path in args.maps:
         mapping, norm, act, saved = read_map_yaml(path)
         measured = errors(gradients(compress(copy.deepcopy(net), mapping, norm_storage=norm, act_storage=act,
-                                             saved_storage=saved), batches), exact, parts)
+                                             saved_storage=saved), batches, loss_fn), exact, parts)
         line = f"{path.stem}: measured " + ", ".join(f"{k} {v:.4g}" for k, v in measured.items())
         if menu is not None:
             score = menu.score(mapping, norm, act, saved)
