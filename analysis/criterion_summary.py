@@ -42,7 +42,7 @@ def kind_of(name: str) -> str:
         return "stock"
     if name.startswith("random"):
         return "random"
-    if name.startswith(("grad_error", "cosine", "loss_change", "tensor_error")):
+    if name.startswith(tuple(c for c in CRITERIA if c != "ratio")):
         return "chosen"
     return "uniform"
 

@@ -36,7 +36,7 @@ from lessmem.sensitivity.geometry import (
     sensitivity_layers,
 )
 from lessmem.sensitivity.items import MenuItem, option_name
-from lessmem.sensitivity.menu import MenuResult
+from lessmem.sensitivity.menu import CRITERIA, MenuResult
 from lessmem.sensitivity.menu_options import DEFAULT_MENU, MenuOptions
 from lessmem.sensitivity.regions import region_candidates, region_groups, region_rule
 from lessmem.sensitivity.weight_grad import (
@@ -123,7 +123,7 @@ def measure_menu(
         numel, elem = lossy_inputs.sizes[name] if kind != "saved" else (region_bytes[name], 1)
         rows = {c: [[0.0 if o == "native" else probe_stats[(name, o)][b][i] for o in options]
                     for b in range(n_batches)]
-                for i, c in enumerate(("grad_error", "loss_change", "cosine", "tensor_error"))}
+                for i, c in enumerate(CRITERIA)}  # a probe's terms are in CRITERIA's order
         for b in range(n_batches):
             rows["cosine"][b][0] = 1.0
         native = numel * elem
@@ -304,7 +304,7 @@ class _MenuRecorder:
         tensors with a gradient."""
         scale = 1.0 / grad_norm2 if grad_norm2 > 0 else 0.0
         for name, rows in self.raw.items():
-            stats = self.stats.setdefault(name, {"grad_error": [], "loss_change": [], "cosine": [], "tensor_error": []})
+            stats = self.stats.setdefault(name, {c: [] for c in CRITERIA})
             stats["grad_error"].append([r[0] * scale for r in rows])
             stats["loss_change"].append([r[1] * scale for r in rows])
             stats["cosine"].append([r[2] for r in rows])
