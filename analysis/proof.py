@@ -30,6 +30,7 @@ import fnmatch
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -215,12 +216,14 @@ def criterion_maps(menu: MenuResult, preset: Preset, budgets: list[float], n: in
     return maps
 
 
-def layout(preset: Preset, model: str, configs: dict[str, dict], budgets: list[float], menu: Path) -> dict:
+def layout(preset: Preset, model: str, configs: dict[str, dict], budgets: list[float], menu: Path,
+           argv: list[str]) -> dict:
+    """What ``proof_summary.py`` reads; ``argv``: the driver's own arguments, printed as its command."""
     return {"title": f"Maps at a memory budget ({model})", "model": model, "metric": preset.metric,
             "key": preset.label, "scale": preset.scale, "label": preset.label, "lower_is_better": preset.lower_is_better,
             "budgets": {budget_name(b): {"label": f"{b:g}x stock", "limit": b} for b in sorted(budgets, reverse=True)},
             "configs": configs, "menu": str(menu),
-            "command": f"`python analysis/proof.py --model {model} --out DIR` then `python analysis/proof_summary.py DIR`",
+            "command": f"`python analysis/proof.py {shlex.join(argv)}` then `python analysis/proof_summary.py DIR`",
             "search_note": (f"Per-unit weights on the menu knapsack (every trial's map fits its budget); trials as in "
                             f"`sweeps/{preset.sweep}.yaml`. Trial 0 is the knapsack's own map at that budget.")}
 
@@ -244,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="train N maps spread over the budgets on one seed, ranked by each criterion")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     preset = PRESETS[args.model]
     args.budgets = args.budgets or preset.budgets
@@ -264,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         write_map(out, name, choice, f"{args.model} proof map {name}")
     jobs = jobs_for(out, preset, args, configs, menu_path)
     (out / "proof.json").write_text(json.dumps(relative_to_repo(
-        layout(preset, args.model, configs, args.budgets, menu_path)
+        layout(preset, args.model, configs, args.budgets, menu_path, argv)
         | {"criterion": args.criterion, "seeds": args.seeds, "criterion_check": bool(args.criterion_check)}), indent=1))
     schedule(jobs, args.workers, args.threads, out)
     if args.criterion_check:

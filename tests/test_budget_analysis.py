@@ -231,7 +231,8 @@ def test_proof_summary_of_a_language_model_reads_lower_perplexity_as_better(tmp_
     proof = importlib.import_module("proof")
     configs = {"stock": {"home": "all", "uniform": False}, "int8_all": {"home": "0.5", "uniform": True},
                "int4_all": {"home": "0.5", "uniform": True}, "chosen_0.5": {"home": "0.5", "uniform": False}}
-    layout = proof.layout(proof.PRESETS["tiny_llama"], "tiny_llama", configs, [0.5], tmp_path / "menu.json")
+    layout = proof.layout(proof.PRESETS["tiny_llama"], "tiny_llama", configs, [0.5], tmp_path / "menu.json",
+                          ["--model", "tiny_llama", "--out", str(tmp_path)])
     (tmp_path / "proof.json").write_text(json.dumps(layout))
     for seed, base in enumerate((8.4, 8.3, 8.5, 8.35)):
         write_lm_run(tmp_path, "stock", seed, base, 1.0)
