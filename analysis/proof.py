@@ -184,12 +184,13 @@ def _wanted(config: str, patterns: list[str] | None) -> bool:
 def criterion_maps(menu: MenuResult, preset: Preset, budgets: list[float], n: int, seed: int) -> dict[str, MapChoice]:
     """``n`` maps spread from the tightest budget to 1.0: the knapsack's map of every criterion
     at each budget, the uniform options (the first ``n`` of these), then random per-unit maps
-    (options drawn around a per-map aggressiveness) in empty ratio bins."""
+    (options drawn around a per-map aggressiveness) in empty ratio bins; no map twice."""
     maps: dict[str, MapChoice] = {}
-    for budget in budgets:
-        for criterion in menu.criteria:
-            maps[f"{criterion}_{budget_name(budget)}"] = menu.make_map(budget, criterion)
-    maps |= uniform_choices(menu, preset)
+    candidates = [(f"{c}_{budget_name(b)}", menu.make_map(b, c)) for b in budgets for c in menu.criteria]
+    for name, choice in [*candidates, *uniform_choices(menu, preset).items()]:
+        # Criteria can agree on a map (all of them at a loose budget); training it twice would count one result twice.
+        if not any(same_map(choice, kept) for kept in maps.values()):
+            maps[name] = choice
     maps = dict(list(maps.items())[:n])
     units = list(menu.unit_items().values())
     by_name = {i.name: i for i in menu.items}
@@ -210,10 +211,15 @@ def criterion_maps(menu: MenuResult, preset: Preset, budgets: list[float], n: in
             chosen.update(dict.fromkeys(members, options[min(max(i, 0), len(options) - 1)]))
         choice = menu.choice_of(chosen)
         b = next((i for i in range(bins) if edges[i] <= choice.score["ratio"] < edges[i + 1]), None)
-        if b is not None and b not in filled:
+        if b is not None and b not in filled and not any(same_map(choice, kept) for kept in maps.values()):
             filled.add(b)
             maps[f"random{b:02d}"] = choice
     return maps
+
+
+def same_map(a: MapChoice, b: MapChoice) -> bool:
+    return (a.map, a.norm_storage, a.act_storage, a.saved_storage) == (b.map, b.norm_storage, b.act_storage,
+                                                                       b.saved_storage)
 
 
 def layout(preset: Preset, model: str, configs: dict[str, dict], budgets: list[float], menu: Path,

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from lessmem.models import build_model
-from lessmem.sensitivity import MenuOptions, measure_menu, write_map_yaml
+from lessmem.sensitivity import MenuOptions, MenuResult, measure_menu, write_map_yaml
 
 REPO = Path(__file__).parents[1]
 ANALYSIS = REPO / "analysis"
@@ -219,6 +219,19 @@ def test_proof_driver_plans_maps_that_fit_and_runs_each_search_before_its_best_m
     trained = jobs["search_0.05/seed7"]
     assert trained.deps == ["search_0.05"] and trained.needs == [tmp_path / "search" / "b0.05" / "best_map.yaml"]
     assert "epochs=1" in jobs["stock/seed0"].argv
+
+
+def test_criterion_check_trains_each_distinct_map_once() -> None:
+    """Criteria that agree on a budget's map (all of them at a loose budget) give one
+    configuration, not two runs of one map."""
+    proof = importlib.import_module("proof")
+    menu = MenuResult.load(REPO / "docs/results/criterion_check_tensor_error/menu/menu.json")
+    budgets = [0.9, 0.08]
+    knapsack = [menu.make_map(b, c) for b in budgets for c in menu.criteria]
+    maps = list(proof.criterion_maps(menu, proof.PRESETS["resnet20"], budgets, n=20, seed=0).values())
+    assert len(maps) == 20
+    assert all(not proof.same_map(a, b) for i, a in enumerate(maps) for b in maps[i + 1:])
+    assert sum(any(proof.same_map(a, b) for b in knapsack[:i]) for i, a in enumerate(knapsack)) > 0  # there were repeats
 
 
 def write_lm_run(out: Path, config: str, seed: int, ppl: float, ratio: float) -> None:
