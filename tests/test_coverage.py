@@ -23,7 +23,7 @@ def independent_saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
             first, last = int(offsets.min()) * t.element_size(), (int(offsets.max()) + 1) * t.element_size()
             mask = covered.setdefault(storage.data_ptr(), torch.zeros(storage.nbytes(), dtype=torch.bool))
             mask[first:last] = True
-        return t
+        return t.detach()  # no backward follows: a kept grad_fn would leak the graph
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(x)

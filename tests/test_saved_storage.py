@@ -59,8 +59,8 @@ def storage_bytes(model: nn.Module, ids: Tensor) -> int:
         ptr = t.untyped_storage().data_ptr()
         if ptr not in held and ptr != 0:
             storages[ptr] = t.untyped_storage().nbytes()
-            kept.append(t)
-        return t
+            kept.append(t.detach())
+        return t.detach()  # no backward follows: a kept grad_fn would leak the graph
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(ids)

@@ -98,8 +98,8 @@ def saved_bytes(model: nn.Module, x: Tensor) -> int:
         ptr = t.untyped_storage().data_ptr()
         if ptr not in held and ptr != 0:
             storages[ptr] = t.untyped_storage().nbytes()
-            kept.append(t)  # no address is reused while counting
-        return t
+            kept.append(t.detach())  # no address is reused while counting
+        return t.detach()  # no backward follows: a kept grad_fn would leak the graph
 
     kept: list[Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

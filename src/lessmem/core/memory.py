@@ -79,6 +79,14 @@ def output_tensor(out: object) -> Tensor:
     raise TypeError(f"cannot find a tensor in the model output of type {type(out).__name__}")
 
 
+def graph_free(t: Tensor) -> Tensor:
+    """``t`` as a pack hook may keep it: detached where it has a grad_fn. An op's output kept with
+    its own grad_fn (or a hook object that keeps it, stored in the graph) forms a cycle through
+    C++ that no gc breaks, and a forward that never runs backward leaks its whole graph. Autograd
+    restores the grad_fn on unpack; a tensor without one (a packed copy) is kept as it is."""
+    return t if t.grad_fn is None else t.detach()
+
+
 def saved_tensors_of(model: nn.Module, inputs: tuple[Tensor, ...]) -> tuple[list[SavedTensor], object]:
     """Run ``model(*inputs)`` and record each storage autograd saves (by the byte ranges its saved
     views span), with the innermost module that was executing when it was first saved. The
@@ -108,9 +116,9 @@ def saved_tensors_of(model: nn.Module, inputs: tuple[Tensor, ...]) -> tuple[list
                 ranges[key].append(byte_range(t))
                 if key not in records:
                     records[key] = SavedTensor(key, stack[-1], tuple(t.shape), t.dtype, 0)
-                    keep_alive.append(t)
+                    keep_alive.append(graph_free(t))
                 records[key].nbytes = union_bytes(ranges[key])
-        return t
+        return graph_free(t)  # this forward runs no backward to release a cycle
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from lessmem.core.memory import byte_range, storage_key
+from lessmem.core.memory import byte_range, graph_free, storage_key
 from lessmem.core.ops.dispatch import VIEW_OPS
 from lessmem.core.storage import (
     BFLOAT16,
@@ -168,7 +168,7 @@ class _Hooks:
         )
 
     def _outer_pack(self, t: Tensor) -> Any:
-        return t if self.outer is None else self.outer[0](t)
+        return graph_free(t) if self.outer is None else self.outer[0](t)  # no leak without backward
 
     def pack(self, t: Tensor) -> Any:
         if self._left_alone(t):

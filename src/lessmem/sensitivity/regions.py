@@ -15,6 +15,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
+from lessmem.core.memory import graph_free
+
 
 def region_rule(choices: Mapping[str, str], model_or_children: nn.Module | Mapping[str, bool]) -> dict[str, str] | str:
     """The ``saved_storage`` rule storing each region of ``choices`` (name -> storage; ``native``
@@ -49,7 +51,7 @@ def region_groups(model: nn.Module, x: Tensor, names: list[str]) -> list[list[st
     def pack(t: Tensor) -> Tensor:
         if t.is_floating_point() and t.layout == torch.strided and _key(t) not in held and stack[-1] in wanted:
             savers.setdefault(_key(t), set()).add(stack[-1])
-        return t
+        return graph_free(t)
 
     def leave(module: nn.Module, args: object, output: object) -> None:
         stack.pop()  # a hook's non-None return would replace the output
