@@ -7,11 +7,14 @@ lessmem's chosen map (measured peak, predicted peak, step time, predicted whole-
 PyTorch's compiled step at the same budget as a fraction of stock's activation bytes (measured
 peak, step time); and one checkpointed run. Peaks: ``lessmem.measure_step_memory`` (profiler on
 the CPU, ``max_memory_allocated`` on CUDA). Planning view (``--plan``): batch sizes from stock's
-largest up to 8x under one budget, each with the best map's predicted peak and error.
+largest up to 8x under one budget, each with the best map's predicted peak and error. Peak
+curve (``--curve N``): N maps spread over the saved bytes between the floor and stock, each one
+measured step against the profile's prediction (the peak model before any verification point).
 
     python benchmarks/budget.py --model resnet18 --image-size 224 --batch 32 --csv docs/results/budget_resnet18.csv
     python benchmarks/budget.py --model tiny_llama --batch 8 --seq-len 256 --csv docs/results/budget_tiny_llama.csv
     python benchmarks/budget.py --model resnet20 --batch 64 --plan 40MiB --plot docs/results/budget_plan.png
+    python benchmarks/budget.py --model resnet20 --image-size 32 --batch 64 --curve 11
 """
 
 from __future__ import annotations
@@ -104,6 +107,7 @@ def main() -> None:
     p.add_argument("--no-compile", action="store_true", help="skip activation_memory_budget")
     p.add_argument("--fresh-all", action="store_true", help="time a fresh-cache choice at every budget")
     p.add_argument("--plan", help="a budget (e.g. 6GiB): the planning view instead")
+    p.add_argument("--curve", type=int, default=0, help="N maps' measured peaks against the profile's prediction instead")
     p.add_argument("--csv")
     p.add_argument("--plot")
     args = p.parse_args()
@@ -119,6 +123,8 @@ def main() -> None:
           f"{t_profile / t_step:.1f} stock steps ({t_step:.2f}s each)", flush=True)
     if args.plan:
         return plan(profile, parse_bytes(args.plan), args)
+    if args.curve:
+        return curve(model, batch, loss_fn, profile, args)
     rows = []
     static = profile.peaks.static_bytes
     for i in range(args.budgets):
@@ -175,6 +181,24 @@ def main() -> None:
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
+
+
+def curve(model: nn.Module, batch, loss_fn, profile, args: argparse.Namespace) -> None:
+    """The profile's peak model (floor, bend map, stock) against the measured peak of maps spread
+    evenly in saved bytes between the floor and stock (the knapsack's, default criterion)."""
+    least, stock = profile.floor_map.score["bytes"], profile.menu.stock_bytes
+    errors = []
+    for i in range(1, args.curve + 1):
+        choice = profile.menu.make_map(least + (stock - least) * i / (args.curve + 1))
+        net = lessmem.compress(copy.deepcopy(model).train(), choice.map, norm_storage=choice.norm_storage,
+                               act_storage=choice.act_storage)
+        saved, measured = choice.score["bytes"], peak(net, batch, loss_fn)
+        predicted = profile.peaks.predict(saved)
+        errors.append(predicted / measured - 1)
+        print(f"saved {saved / MIB:8.2f} MiB  measured peak {measured / MIB:8.2f}  predicted {predicted / MIB:8.2f} "
+              f"({100 * errors[-1]:+.1f}%)", flush=True)
+    print(f"profile points (saved, peak MiB): {[(round(s / MIB, 2), round(q / MIB, 2)) for s, q in profile.peaks.points]}; "
+          f"prediction error {100 * min(errors):+.1f}% to {100 * max(errors):+.1f}%")
 
 
 def plan(profile, budget: int, args: argparse.Namespace) -> None:
