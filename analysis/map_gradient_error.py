@@ -5,11 +5,13 @@ BatchNorm weight and bias), beside the menu's additive predictions when a menu i
 where a map's error lands (docs/proofs.md: lossy BatchNorm inputs at 0.08x on resnet20).
 
     python analysis/map_gradient_error.py CHECKPOINT MAP.yaml [MAP.yaml ...] [--menu MENU.json]
-        [--batches 4] [--batch-size 32]
+        [--batches 4] [--batch-size 32] [--draws 1]
 
 CHECKPOINT: a run's checkpoint.pt (its config names the model, the dataset and the loss); the
 batches are the dataset's first fixed training batches of seed 0 (what ``lessmem-sensitivity``
-measures on), one rounding draw per batch.
+measures on), one rounding draw per batch; ``--draws R``: each batch's gradient averaged over R
+rounding draws. Stochastic rounding is unbiased, so its part of the error falls like 1/R; what
+stays is bias (pooling's block means, a deterministic error that training steps do not average out).
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ def gradients(model: nn.Module, batches: list[tuple[Tensor, Tensor]], loss_fn: n
     return out
 
 
+def averaged(model: nn.Module, batches: list[tuple[Tensor, Tensor]], loss_fn: nn.Module,
+             draws: int) -> list[list[Tensor]]:
+    """Each batch's gradients averaged over ``draws`` passes (the rounding noise moves on each call)."""
+    runs = [gradients(model, batches, loss_fn) for _ in range(draws)]
+    return [[sum(run[b][i] for run in runs) / draws for i in range(len(runs[0][b]))] for b in range(len(batches))]
+
+
 def rel(a: list[Tensor], e: list[Tensor]) -> float:
     num = sum(float((x - y).square().sum()) for x, y in zip(a, e, strict=True))
     den = sum(float(y.square().sum()) for y in e)
@@ -68,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--menu", type=Path, default=None, help="a menu.json: its additive predictions beside")
     p.add_argument("--batches", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--draws", type=int, default=1, help="rounding draws averaged per batch")
     args = p.parse_args(argv)
     cfg = OmegaConf.create(torch.load(args.checkpoint, map_location="cpu", weights_only=True)["config"])
     net = build_model_from_cfg(cfg)
@@ -80,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     menu = MenuResult.load(args.menu) if args.menu else None
     for path in args.maps:
         mapping, norm, act, saved = read_map_yaml(path)
-        measured = errors(gradients(compress(copy.deepcopy(net), mapping, norm_storage=norm, act_storage=act,
-                                             saved_storage=saved), batches, loss_fn), exact, parts)
+        compressed = compress(copy.deepcopy(net), mapping, norm_storage=norm, act_storage=act, saved_storage=saved)
+        measured = errors(averaged(compressed, batches, loss_fn, args.draws), exact, parts)
         line = f"{path.stem}: measured " + ", ".join(f"{k} {v:.4g}" for k, v in measured.items())
         if menu is not None:
             score = menu.score(mapping, norm, act, saved)

@@ -4,6 +4,7 @@ every published summary regenerated from the tracked runs.json alone (analysis/c
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import math
@@ -14,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
+from torch import nn
 
+from lessmem.core import compress
 from lessmem.models import build_model
 from lessmem.sensitivity import MenuOptions, MenuResult, measure_menu, write_map_yaml
 
@@ -284,3 +287,18 @@ def test_criterion_check_on_a_tiny_language_model(tmp_path: Path) -> None:
     assert summary["maps"] >= 4 and set(summary["spearman"]) == {"grad_error", "loss_change", "cosine", "tensor_error", "ratio"}
     assert all(math.isfinite(r["val_ppl"]) for r in summary["rows"])
     assert "Spearman rho with final val_ppl" in (tmp_path / "summary.md").read_text()
+
+
+def test_averaging_rounding_draws_removes_variance_but_not_pooling_bias() -> None:
+    """analysis/map_gradient_error.py --draws: stochastic rounding's error falls with more draws
+    averaged; a pooled input's (a deterministic block mean) does not move."""
+    mge = importlib.import_module("map_gradient_error")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.ReLU(), nn.Conv2d(3, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+    batches = [(torch.randn(4, 3, 8, 8), torch.randint(10, (4,)))]
+    loss_fn = nn.CrossEntropyLoss()
+    exact = mge.gradients(copy.deepcopy(net), batches, loss_fn)
+    for spec, falls in (("int2", True), ("2", False)):
+        model = compress(copy.deepcopy(net), {"1": spec})
+        one, many = (mge.rel(mge.averaged(model, batches, loss_fn, r)[0], exact[0]) for r in (1, 16))
+        assert one > 0 and (many < one / 8 if falls else many == pytest.approx(one, rel=1e-9)), (spec, one, many)
