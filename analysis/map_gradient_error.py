@@ -5,13 +5,16 @@ BatchNorm weight and bias), beside the menu's additive predictions when a menu i
 where a map's error lands (docs/proofs.md: lossy BatchNorm inputs at 0.08x on resnet20).
 
     python analysis/map_gradient_error.py CHECKPOINT MAP.yaml [MAP.yaml ...] [--menu MENU.json]
-        [--batches 4] [--batch-size 32] [--draws 1]
+        [--batches 4] [--batch-size 32] [--draws 1] [--runs DIR]
 
 CHECKPOINT: a run's checkpoint.pt (its config names the model, the dataset and the loss); the
 batches are the dataset's first fixed training batches of seed 0 (what ``lessmem-sensitivity``
 measures on), one rounding draw per batch; ``--draws R``: each batch's gradient averaged over R
 rounding draws. Stochastic rounding is unbiased, so its part of the error falls like 1/R; what
 stays is bias (pooling's block means, a deterministic error that training steps do not average out).
+``--runs DIR``: a criterion check's folder (analysis/proof.py --criterion-check) that trained these
+maps, each under its file's name: Spearman's rho of each measured error with the final metric
+(sign turned as criterion_summary does: +1 is a perfect predictor).
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ import copy
 from pathlib import Path
 
 import torch
+from compact_runs import by_seed, load
+from criterion_summary import spearman
 from omegaconf import OmegaConf
+from proof_summary import layout_of
 from torch import Tensor, nn
 
 from lessmem.core import compress
@@ -78,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--draws", type=int, default=1, help="rounding draws averaged per batch")
+    p.add_argument("--runs", type=Path, default=None, help="a criterion check's folder: rank the errors against its metric")
     args = p.parse_args(argv)
     cfg = OmegaConf.create(torch.load(args.checkpoint, map_location="cpu", weights_only=True)["config"])
     net = build_model_from_cfg(cfg)
@@ -88,16 +95,35 @@ def main(argv: list[str] | None = None) -> int:
     exact = gradients(copy.deepcopy(net), batches, loss_fn)
     parts = groups(net)
     menu = MenuResult.load(args.menu) if args.menu else None
+    table: dict[str, dict[str, float]] = {}
     for path in args.maps:
         mapping, norm, act, saved = read_map_yaml(path)
         compressed = compress(copy.deepcopy(net), mapping, norm_storage=norm, act_storage=act, saved_storage=saved)
         measured = errors(averaged(compressed, batches, loss_fn, args.draws), exact, parts)
+        table[path.stem] = measured
         line = f"{path.stem}: measured " + ", ".join(f"{k} {v:.4g}" for k, v in measured.items())
         if menu is not None:
             score = menu.score(mapping, norm, act, saved)
             line += " | menu " + ", ".join(f"{c} {score[c]:.4g}" for c in (*menu.criteria, "ratio"))
         print(line, flush=True)
+    if args.runs is not None:
+        rank_against_runs(table, args.runs)
     return 0
+
+
+def rank_against_runs(table: dict[str, dict[str, float]], out: Path) -> None:
+    """Spearman's rho of each measured error with the final metric of the runs that trained the
+    maps (seed 0; stock, when trained, as a map of zero error)."""
+    layout, runs = layout_of(out), load(out)
+    sign = 1.0 if layout["lower_is_better"] else -1.0
+    final = {name: by_seed(runs, name)[0][layout["metric"]] for name in [*table, "stock"]
+             if 0 in by_seed(runs, name)}
+    rows = {name: table.get(name, dict.fromkeys(next(iter(table.values())), 0.0)) for name in final}
+    if len(rows) < 3:
+        raise SystemExit(f"map_gradient_error: error: {out} has seed-0 runs of only {sorted(rows)}")
+    for key in next(iter(table.values())):
+        rho = sign * spearman([rows[n][key] for n in rows], [final[n] for n in rows])
+        print(f"Spearman rho of measured {key} with final {layout['metric']} over {len(rows)} maps: {rho:+.3f}")
 
 
 if __name__ == "__main__":

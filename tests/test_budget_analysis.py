@@ -302,3 +302,19 @@ def test_averaging_rounding_draws_removes_variance_but_not_pooling_bias() -> Non
         model = compress(copy.deepcopy(net), {"1": spec})
         one, many = (mge.rel(mge.averaged(model, batches, loss_fn, r)[0], exact[0]) for r in (1, 16))
         assert one > 0 and (many < one / 8 if falls else many == pytest.approx(one, rel=1e-9)), (spec, one, many)
+
+
+def test_measured_map_errors_rank_against_a_criterion_checks_runs(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """map_gradient_error --runs: each measured error's Spearman rho with the runs' final metric,
+    stock counted as a map of zero error; +1 when the error orders the maps as the metric does."""
+    mge = importlib.import_module("map_gradient_error")
+    (tmp_path / "proof.json").write_text(json.dumps({"metric": "final_val_ppl", "lower_is_better": True,
+                                                     "key": "val_ppl", "scale": 1.0, "budgets": {}, "configs": {}}))
+    for config, ppl in (("stock", 8.0), ("a", 8.2), ("b", 9.0), ("c", 11.0)):
+        write_lm_run(tmp_path, config, 0, ppl, 0.2)
+    mge.rank_against_runs({"a": {"whole": 0.1, "tensor_error": 0.9}, "b": {"whole": 0.2, "tensor_error": 0.1},
+                           "c": {"whole": 0.5, "tensor_error": 0.3}}, tmp_path)
+    out = capsys.readouterr().out
+    assert "measured whole with final final_val_ppl over 4 maps: +1.000" in out
+    assert "measured tensor_error with final final_val_ppl over 4 maps: +0.400" in out
