@@ -9,6 +9,7 @@ Inputs (each optional; a missing one becomes a "pending" note, never an error):
   multirun/cifar10_resnet20_4ep    three lessmem.train runs (none, pool2, pool4), 4 epochs (CIFAR_CMD);
                                    without it, the report it left in docs/results/cifar10_resnet20/
   docs/results/proof_tiny_llama/   summary.json and runs.json of the tiny Llama proof
+  docs/results/*/summary.md        the proofs' and criterion checks' summaries, embedded
   docs/results/search_*/summary.json, sensitivity_*/, vit_*.md   (search / sensitivity / ViT docs)
 Outputs: docs/RESULTS.md, docs/results/memory_ratio.png, docs/results/resnet18_per_layer.png,
 docs/results/cifar10_resnet20/{table.md,table.csv,memory_vs_accuracy.png,accuracy_curves.png}.
@@ -205,8 +206,7 @@ def proof_section(proof: Path, docs: Path) -> list[str]:
 def budget_section(results: Path, docs: Path) -> list[str]:
     """Issue 19: the menu measurement, the criterion check and the budget proof (their summary.md
     files, written by analysis/criterion_summary.py and analysis/proof_summary.py)."""
-    lines = []
-    for sub, title, missing in (
+    return embedded_summaries(results, docs, (
         ("menu.md", "The compressor menu of resnet20", "lessmem-sensitivity ..."),
         ("criterion_check/summary.md", "Does the criterion predict accuracy?",
          "python analysis/criterion_check.py, then python analysis/criterion_summary.py"),
@@ -221,7 +221,26 @@ def budget_section(results: Path, docs: Path) -> list[str]:
         ("proof_resnet20/summary.md", "At 0.08x on the issue-12 schedule: the cosine's map, the per-tensor error's map, "
          "uniform options", "python analysis/proof.py --model resnet20 --out docs/results/proof_resnet20 --budgets 0.08 "
          "--search-trials 0 --compare-criteria tensor_error, then python analysis/proof_summary.py"),
-    ):
+    ))
+
+
+def lm_budget_section(results: Path, docs: Path) -> list[str]:
+    """Issue 31 on the language model: the tight budget and the criterion check."""
+    return embedded_summaries(results, docs, (
+        ("proof_tiny_llama_012/summary.md", "At 0.12x: the knapsack's maps against uniform int2",
+         "python analysis/proof.py --model tiny_llama --out docs/results/proof_tiny_llama_012 --budgets 0.12 "
+         "--search-trials 0 --uniform-per-budget 1"),
+        ("criterion_check_lm/summary.md", "Does the criterion predict val_ppl? (16 maps, seed 0)",
+         "python analysis/proof.py --model tiny_llama --out docs/results/criterion_check_lm --budgets 0.5 0.25 0.12 "
+         "--criterion-check 16"),
+    ))
+
+
+def embedded_summaries(results: Path, docs: Path, items: tuple[tuple[str, str, str], ...]) -> list[str]:
+    """Each (summary.md under ``results``, heading, the command when it is missing) one heading level
+    down, its links rewritten to work from ``docs``."""
+    lines = []
+    for sub, title, missing in items:
         md = results / sub
         lines += [f"### {title}", ""]
         if not md.is_file():
@@ -290,6 +309,12 @@ FOLDERS = [
     "| [results/proof_tiny_llama](results/proof_tiny_llama/summary.md) | `python analysis/proof.py --model "
     "tiny_llama --out docs/results/proof_tiny_llama --budgets 0.25 --search-trials 0 --uniform-per-budget 1` "
     "(+ the `lossy_int8` runs, see its summary) | `python analysis/proof_summary.py docs/results/proof_tiny_llama` |",
+    "| [results/proof_tiny_llama_012](results/proof_tiny_llama_012/summary.md) | `python analysis/proof.py --model "
+    "tiny_llama --out docs/results/proof_tiny_llama_012 --budgets 0.12 --search-trials 0 --uniform-per-budget 1` "
+    "(+ `unpooled_0.12`, see its summary) | `python analysis/proof_summary.py docs/results/proof_tiny_llama_012` |",
+    "| [results/criterion_check_lm](results/criterion_check_lm/summary.md) | `python analysis/proof.py --model "
+    "tiny_llama --out docs/results/criterion_check_lm --budgets 0.5 0.25 0.12 --criterion-check 16` "
+    "| `python analysis/criterion_summary.py docs/results/criterion_check_lm` |",
     "| [results/speed_raw.md](results/speed_raw.md) | the `python benchmarks/speed.py ...` line heading "
     "each output | [results/speed.md](results/speed.md) (hand-written) |",
     "",
@@ -383,6 +408,9 @@ def build(args: argparse.Namespace) -> str:
         "## Language model at 0.25x saved bytes: unbiased codes and the menu's map (tiny Llama, 8 paired seeds)",
         "",
         *lm_proof_section(results / "proof_tiny_llama", docs),
+        "## Language model at 0.12x saved bytes, and its criterion check (tiny Llama)",
+        "",
+        *lm_budget_section(results, docs),
         "## Vision transformers",
         "",
         "Baseline: the stock model (same batch). vit_b_16: batch 8, 224×224, random init "

@@ -151,7 +151,8 @@ def test_compact_runs_writes_paths_relative_to_the_repository(tmp_path: Path) ->
 PUBLISHED = {"budget_proof": "proof_summary", "budget_proof_long": "proof_summary",
              "criterion_check": "criterion_summary", "proof": "proof_2x2_summary",
              "proof_tiny_llama": "proof_summary", "criterion_check_tensor_error": "criterion_summary",
-             "proof_resnet20": "proof_summary"}
+             "proof_resnet20": "proof_summary", "proof_tiny_llama_012": "proof_summary",
+             "criterion_check_lm": "criterion_summary"}
 
 
 @pytest.fixture(scope="module")
