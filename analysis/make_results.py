@@ -227,7 +227,8 @@ def budget_section(results: Path, docs: Path) -> list[str]:
 def lm_budget_section(results: Path, docs: Path) -> list[str]:
     """Issue 31 on the language model: the tight budget and the criterion check."""
     return embedded_summaries(results, docs, (
-        ("proof_tiny_llama_012/summary.md", "At 0.12x: the knapsack's maps against uniform int2",
+        ("proof_tiny_llama_012/summary.md", "At 0.12x: the knapsack's maps (full menu, and without token pooling) "
+         "against uniform int2",
          "python analysis/proof.py --model tiny_llama --out docs/results/proof_tiny_llama_012 --budgets 0.12 "
          "--search-trials 0 --uniform-per-budget 1"),
         ("criterion_check_lm/summary.md", "Does the criterion predict val_ppl? (16 maps, seed 0)",
