@@ -55,9 +55,14 @@ def gradients(model: nn.Module, batches: list[tuple[Tensor, Tensor]], loss_fn: n
 
 def averaged(model: nn.Module, batches: list[tuple[Tensor, Tensor]], loss_fn: nn.Module,
              draws: int) -> list[list[Tensor]]:
-    """Each batch's gradients averaged over ``draws`` passes (the rounding noise moves on each call)."""
-    runs = [gradients(model, batches, loss_fn) for _ in range(draws)]
-    return [[sum(run[b][i] for run in runs) / draws for i in range(len(runs[0][b]))] for b in range(len(batches))]
+    """Each batch's gradients averaged over ``draws`` passes (the rounding noise moves on each call);
+    a running sum, so memory stays one pass's gradients whatever ``draws``."""
+    total = gradients(model, batches, loss_fn)
+    for _ in range(draws - 1):
+        for acc, grads in zip(total, gradients(model, batches, loss_fn), strict=True):
+            for a, g in zip(acc, grads, strict=True):
+                a += g
+    return [[a / draws for a in acc] for acc in total]
 
 
 def rel(a: list[Tensor], e: list[Tensor]) -> float:
@@ -116,12 +121,13 @@ def rank_against_runs(table: dict[str, dict[str, float]], out: Path) -> None:
     maps (seed 0; stock, when trained, as a map of zero error)."""
     layout, runs = layout_of(out), load(out)
     sign = 1.0 if layout["lower_is_better"] else -1.0
+    keys = list(next(iter(table.values())))
     final = {name: by_seed(runs, name)[0][layout["metric"]] for name in [*table, "stock"]
              if 0 in by_seed(runs, name)}
-    rows = {name: table.get(name, dict.fromkeys(next(iter(table.values())), 0.0)) for name in final}
+    rows = {name: table.get(name, dict.fromkeys(keys, 0.0)) for name in final}
     if len(rows) < 3:
         raise SystemExit(f"map_gradient_error: error: {out} has seed-0 runs of only {sorted(rows)}")
-    for key in next(iter(table.values())):
+    for key in keys:
         rho = sign * spearman([rows[n][key] for n in rows], [final[n] for n in rows])
         print(f"Spearman rho of measured {key} with final {layout['metric']} over {len(rows)} maps: {rho:+.3f}")
 

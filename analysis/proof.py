@@ -189,7 +189,7 @@ def criterion_maps(menu: MenuResult, preset: Preset, budgets: list[float], n: in
     candidates = [(f"{c}_{budget_name(b)}", menu.make_map(b, c)) for b in budgets for c in menu.criteria]
     for name, choice in [*candidates, *uniform_choices(menu, preset).items()]:
         # Criteria can agree on a map (all of them at a loose budget); training it twice would count one result twice.
-        if not any(same_map(choice, kept) for kept in maps.values()):
+        if is_new(choice, maps):
             maps[name] = choice
     maps = dict(list(maps.items())[:n])
     units = list(menu.unit_items().values())
@@ -211,7 +211,7 @@ def criterion_maps(menu: MenuResult, preset: Preset, budgets: list[float], n: in
             chosen.update(dict.fromkeys(members, options[min(max(i, 0), len(options) - 1)]))
         choice = menu.choice_of(chosen)
         b = next((i for i in range(bins) if edges[i] <= choice.score["ratio"] < edges[i + 1]), None)
-        if b is not None and b not in filled and not any(same_map(choice, kept) for kept in maps.values()):
+        if b is not None and b not in filled and is_new(choice, maps):
             filled.add(b)
             maps[f"random{b:02d}"] = choice
     return maps
@@ -220,6 +220,10 @@ def criterion_maps(menu: MenuResult, preset: Preset, budgets: list[float], n: in
 def same_map(a: MapChoice, b: MapChoice) -> bool:
     return (a.map, a.norm_storage, a.act_storage, a.saved_storage) == (b.map, b.norm_storage, b.act_storage,
                                                                        b.saved_storage)
+
+
+def is_new(choice: MapChoice, maps: dict[str, MapChoice]) -> bool:
+    return not any(same_map(choice, kept) for kept in maps.values())
 
 
 def layout(preset: Preset, model: str, configs: dict[str, dict], budgets: list[float], menu: Path,
