@@ -200,6 +200,10 @@ def test_bad_requests_say_what_is_wrong(menu: MenuResult) -> None:
         menu.make_map(0.5, "accuracy")
     with pytest.raises(ValueError, match="needs kernel 1 and native storage"):
         MenuOptions(kernels=(2, 4))
+    with pytest.raises(ValueError, match="token_kernels"):
+        MenuOptions(token_kernels=(2,))
+    assert MenuOptions.kernel_only((1, 2)).token_kernels == (1, 2)
+    assert MenuOptions.from_config({"token_kernels": ["1", "4"]}).token_kernels == (1, 4)
 
 
 def test_menu_and_map_files_round_trip(menu: MenuResult, tmp_path) -> None:

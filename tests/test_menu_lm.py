@@ -42,8 +42,8 @@ def lm(request: pytest.FixtureRequest, tiny_lm: tuple[str, ...]) -> tuple[str, t
     cfg = compose_config(list(tiny_lm))
     model = build_model(request.param, 256, **SMALL_LMS[request.param]).train()
     batch = fixed_batches(cfg, 1, 4)[0]
-    options = MenuOptions(kernels=(1, 2), storages=("native", "int4", "int1"), act_storages=("int4",),
-                          saved_storages=("int8", "int1"))
+    options = MenuOptions(kernels=(1, 2), token_kernels=(1, 2), storages=("native", "int4", "int1"),
+                          act_storages=("int4",), saved_storages=("int8", "int1"))
     menu = measure_menu(model, [batch], options, loss_fn=task_of(cfg).criterion)
     return request.param, model, batch, menu
 
@@ -116,6 +116,9 @@ def test_sensitivity_cli_measures_the_lm_menu_after_warm_up(tmp_path: Path, run_
     data = json.loads((tmp_path / "menu.json").read_text())
     assert data["meta"]["weights"] == "stock, after 2 warm-up steps"
     assert {i["kind"] for i in data["items"]} == {"linear", "act", "saved"}
+    # menu.kernels pools conv inputs; token-linear inputs stay unpooled unless menu.token_kernels says so
+    assert data["meta"]["token_kernels"] == [1]
+    assert all(i["options"] == ["1", "int4"] for i in data["items"] if i["kind"] == "linear")
     generated = tmp_path / "menu_tiny_llama.yaml"
     assert "saved_storage" in generated.read_text()
     metrics = run(compose_config([*tiny_lm, f"compression.map_file={generated}", f"out_dir={tmp_path / 'run'}"]))

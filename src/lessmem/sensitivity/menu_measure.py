@@ -72,8 +72,9 @@ def measure_menu(
     units: dict[str, list[str]] = {}  # regions choosing together, by their first member
     region_bytes: dict[str, int] = {}  # per unit
     probe_delta: dict[tuple[str, str], int] = {}  # saved bytes an option adds to the exact model
-    conv_options = [(k, s) for k in kernels for s in menu.storages]
-    recorder = _MenuRecorder(layers, conv_options)
+    token_kernels = sorted(set(menu.token_kernels))
+    recorder = _MenuRecorder(layers, [(k, s) for k in kernels for s in menu.storages],
+                             [(k, s) for k in token_kernels for s in menu.storages])
     lossy_inputs = _InputSizes(net, [*reach["norm_storage"], *reach["act_storage"]])
     params = [p for p in net.parameters() if p.requires_grad]
     sizes = [p.numel() for p in params]
@@ -141,7 +142,7 @@ def measure_menu(
     base -= sum(i.nbytes[i.index(i.exact_option)] for i in items if i.group is None)
     base -= sum({i.group: i.nbytes[i.index(i.exact_option)] for i in items if i.group is not None}.values())
     meta = {"batches": n_batches, "batch_size": int(first.shape[0]), "kernels": kernels,
-            "storages": list(menu.storages), "norm_storages": list(menu.norm_storages),
+            "token_kernels": token_kernels, "storages": list(menu.storages), "norm_storages": list(menu.norm_storages),
             "act_storages": list(menu.act_storages), "saved_storages": list(menu.saved_storages)}
     return MenuResult(items, stock, base, meta)
 
@@ -240,6 +241,9 @@ class _InputSizes:
         self.net, self.names = net, sorted(set(names))
         self.sizes: dict[str, tuple[int, int]] = {}
 
+    def _options(self, layer: SensitivityLayer) -> list[tuple[int, str]]:
+        return self.token_options if isinstance(layer, TokenLinearLayer) else self.conv_options
+
     def attach(self) -> list:
         def hook(name: str):
             def record(module: nn.Module, args: tuple) -> None:
@@ -249,19 +253,23 @@ class _InputSizes:
 
 
 class _MenuRecorder:
-    """Conv and token-linear hooks: each layer's exact weight gradient and, per menu option, the one
-    taken from its input pooled (k x k blocks, or groups of k tokens) and stored that way; per batch,
-    squared error and inner products (normalised by the whole gradient's squared norm once the
-    backward is done)."""
+    """Conv and token-linear hooks: each layer's exact weight gradient and, per menu option (conv
+    options for convs, token options for token linears), the one taken from its input pooled (k x k
+    blocks, or groups of k tokens) and stored that way; per batch, squared error and inner products
+    (normalised by the whole gradient's squared norm once the backward is done)."""
 
-    def __init__(self, layers: list[SensitivityLayer], options: list[tuple[int, str]]) -> None:
-        self.layers, self.options = layers, options
+    def __init__(self, layers: list[SensitivityLayer], conv_options: list[tuple[int, str]],
+                 token_options: list[tuple[int, str]]) -> None:
+        self.layers, self.conv_options, self.token_options = layers, conv_options, token_options
         # per option of the current batch: squared error, inner product, cosine, squared error / ||g_w||^2
         self.raw: dict[str, list[tuple[float, float, float, float]]] = {}
         self.stats: dict[str, dict[str, list[list[float]]]] = {}
         self.shapes: dict[str, tuple[tuple[int, ...], int]] = {}
         self.groups: dict[str, tuple[int, tuple[int, ...], str]] = {}
         self.caller_held: set[str] = set()
+
+    def _options(self, layer: SensitivityLayer) -> list[tuple[int, str]]:
+        return self.token_options if isinstance(layer, TokenLinearLayer) else self.conv_options
 
     def attach(self) -> list:
         return [layer.module.register_forward_hook(self._forward_hook(layer)) for layer in self.layers]
@@ -295,7 +303,7 @@ class _MenuRecorder:
         own2 = float(exact.double().square().sum())
         rows = [(0.0, 0.0, 1.0) if k == 1 and storage == "native"
                 else _error_terms(exact, pooled_weight_grad(layer, grad_out, x, k, storage))
-                for k, storage in self.options]
+                for k, storage in self._options(layer)]
         self.raw[layer.name] = [(*r, r[0] / own2 if own2 > 0 else 0.0) for r in rows]
 
     def finish_batch(self, grad_norm2: float, n_tensors: int) -> None:
@@ -322,8 +330,8 @@ class _MenuRecorder:
             tokens = isinstance(layer, TokenLinearLayer)
             nbytes = [(0 if name in self.caller_held else math.prod(shape) * elem) if k == 1 and storage == "native"
                       else stored_bytes(pooled_numel(shape, k, tokens), storage, elem)
-                      for k, storage in self.options]
+                      for k, storage in self._options(layer)]
             group = group_ids.setdefault(self.groups[name], len(group_ids))
-            out.append(MenuItem(name, "linear" if tokens else "conv", [option_name(k, s) for k, s in self.options],
+            out.append(MenuItem(name, "linear" if tokens else "conv", [option_name(k, s) for k, s in self._options(layer)],
                                 nbytes, self.stats[name], group))
         return out
