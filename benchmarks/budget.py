@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
+import dataclasses
 import os
 import tempfile
 import time
@@ -34,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 import lessmem
 from lessmem.core import training_step
 from lessmem.models import build_model
+from lessmem.reporting import plot_batch_plan
 from lessmem.sensitivity import budget_profile, format_bytes, parse_bytes, plan_batches
 
 MIB = 2**20
@@ -202,20 +204,14 @@ def curve(model: nn.Module, batch, loss_fn, profile, args: argparse.Namespace) -
 
 
 def plan(profile, budget: int, args: argparse.Namespace) -> None:
+    """The planning view (``lessmem-plan`` for a run's config): predictions, not measured steps."""
     rows = plan_batches(profile, budget)
     for r in rows:
         err = "nothing fits" if not r.fits else f"grad_error {r.grad_error:.4f} cosine {r.cosine:.4f}"
         print(f"batch {r.batch_size:5d}: predicted peak {r.predicted_peak_bytes / MIB:9.1f} MiB  {err}")
     if args.plot:
-        import matplotlib.pyplot as plt
-
-        fits = [r for r in rows if r.fits]
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([r.batch_size for r in fits], [r.grad_error for r in fits], "o-")
-        ax.set(xlabel="batch size", ylabel="predicted whole-gradient error", yscale="symlog",
-               title=f"{args.model}: best map within {format_bytes(budget)}")
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
+        plot_batch_plan([dataclasses.asdict(r) for r in rows], budget, args.plot,
+                        f"{args.model}: best map within {format_bytes(budget)}")
 
 
 if __name__ == "__main__":

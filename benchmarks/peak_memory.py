@@ -60,6 +60,7 @@ def measure(model_name: str, optimizer_name: str, config: str, batch: int, size:
     optimizer = OPTIMIZERS[optimizer_name](model.parameters())
     data = (torch.randn(batch, 3, size, size), torch.randint(0, NUM_CLASSES, (batch,)))
     report = lessmem.measure_step_memory(model, data, optimizer=optimizer)
+    floor = start_of_backward_bytes(model, optimizer, data[0])
     model.zero_grad(set_to_none=True)  # as measure_step_memory starts its step
     rss = peak_rss_growth(partial(training_step, model, data, optimizer))
     del model, optimizer, data
@@ -69,7 +70,17 @@ def measure(model_name: str, optimizer_name: str, config: str, batch: int, size:
         "peak_mib": report.peak_bytes / MIB, "phase": report.phase,
         **{c: report.by_category[c] / MIB for c in CATEGORIES},
         "growth_mib": (report.peak_bytes - report.start_bytes) / MIB, "rss_growth_mib": rss / MIB,
+        "floor_mib": floor / MIB,
     }
+
+
+def start_of_backward_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor) -> int:
+    """A lower bound on the step's peak that no backward can go under: what is alive when backward
+    starts (parameters, optimizer state, the batch, every saved tensor; ``measure_memory``'s
+    independent count), before any gradient or backward buffer exists."""
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return (sum(t.numel() * t.element_size() for t in [*model.parameters(), *state, images])
+            + lessmem.measure_memory(model, images).total_bytes)
 
 
 @dataclass
@@ -100,14 +111,15 @@ def batch_fits(rows: list[dict]) -> dict[tuple[str, str, str], BatchFit]:
 def print_peaks(rows: list[dict]) -> None:
     stock = {(r["model"], r["optimizer"], r["batch"]): r["peak_mib"] for r in rows if r["config"] == "stock"}
     print("| model | optimizer | batch | config | peak MiB | ratio to stock | peak in | "
-          + " | ".join(c.replace("_", " ") for c in CATEGORIES) + " | step growth MiB | RSS growth MiB |")
-    print("|---|---|---|---|---|---|---|" + "---|" * len(CATEGORIES) + "---|---|")
+          + " | ".join(c.replace("_", " ") for c in CATEGORIES) + " | step growth MiB | RSS growth MiB | start-of-backward floor MiB (ratio) |")
+    print("|---|---|---|---|---|---|---|" + "---|" * len(CATEGORIES) + "---|---|---|")
     for r in rows:
         base = stock.get((r["model"], r["optimizer"], r["batch"]))
         ratio = f"{r['peak_mib'] / base:.3f}" if base else "-"
         print(f"| {r['model']} | {r['optimizer']} | {r['batch']} | {r['config']} | {r['peak_mib']:.1f} | "
               f"{ratio} | {r['phase']} | " + " | ".join(f"{r[c]:.1f}" for c in CATEGORIES)
-              + f" | {r['growth_mib']:.1f} | {r['rss_growth_mib']:.1f} |")
+              + f" | {r['growth_mib']:.1f} | {r['rss_growth_mib']:.1f} | {r['floor_mib']:.1f}"
+              + (f" ({r['floor_mib'] / base:.3f})" if base else "") + " |")
 
 
 def print_paper_comparison(rows: list[dict]) -> None:

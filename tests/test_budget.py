@@ -120,3 +120,23 @@ def test_train_stock_fits_records_budget(compose, tiny, tmp_path: Path) -> None:
     for record in (metrics, memory):
         assert record["memory_budget_bytes"] == 10 * 2**30 and record["budget_stock_fits"]
         assert record["compression"] == "budget_10GiB" and record["step_peak_bytes"] <= 10 * 2**30
+
+
+def test_plan_cli_writes_rows_table_and_plot(run_cli, tiny, tmp_path: Path) -> None:
+    from lessmem.cli.plan import main
+
+    out = tmp_path / "plan"
+    result = run_cli(main, "lessmem-plan", *tiny, f"out_dir={out}", "memory_budget=64MiB", "plan.factors=[1,2,8]")
+    assert result.status == 0, result.stderr
+    plan = json.loads((out / "plan.json").read_text())
+    rows = plan["rows"]
+    assert plan["memory_budget_bytes"] == 64 * 2**20 and len(rows) == 3
+    assert [r["batch_size"] for r in rows] == sorted(r["batch_size"] for r in rows)
+    assert rows[0]["fits"] and rows[0]["predicted_peak_bytes"] <= 64 * 2**20
+    for r in rows:  # a fitting row's best map is predicted within the budget; else the floor is over it
+        assert (r["predicted_peak_bytes"] <= 64 * 2**20) == r["fits"]
+        assert (r["grad_error"] is None) != r["fits"]
+    assert result.stdout.count("\n| ") == 1 + 3 and (out / "plan.png").stat().st_size > 0
+    assert len((out / "plan.csv").read_text().splitlines()) == 1 + 3
+    missing = run_cli(main, "lessmem-plan", *tiny, f"out_dir={tmp_path / 'none'}")
+    assert missing.is_one_error("lessmem-plan", "needs memory_budget")

@@ -1,6 +1,7 @@
 """The experiment framework: a composed Hydra config in, a trained and measured run out
 (``run``). Importing it makes the configs' resolvers (``${lessmem.data_root:NAME}``) available."""
 
+from lessmem.experiment.budget import plan_for_config
 from lessmem.experiment.checkpoint import Interrupted, load_checkpoint
 from lessmem.experiment.compression import build_model_from_cfg
 from lessmem.experiment.data import fixed_batches
@@ -26,6 +27,7 @@ __all__ = [
     "default_data_root",
     "fixed_batches",
     "load_checkpoint",
+    "plan_for_config",
     "resolve_path",
     "run",
     "save_report",

@@ -1,5 +1,6 @@
 """``memory_budget=6GiB``: the run's map chosen by ``lessmem.fit`` for its model, batch, optimizer,
-loss, precision and device; the chosen map file goes into the run directory."""
+loss, precision and device; the chosen map file goes into the run directory. ``plan_for_config``:
+what larger batches would cost under the same budget (``lessmem-plan``)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,25 @@ import copy
 import logging
 from dataclasses import replace
 
+from omegaconf import DictConfig
 from torch import Tensor, nn
 
-from lessmem.experiment.compression import CompressionChoice
+from lessmem.experiment.compression import CompressionChoice, build_model_from_cfg
+from lessmem.experiment.data import build_loaders
 from lessmem.experiment.optim import build_optimizer
-from lessmem.experiment.runtime import PRECISIONS
-from lessmem.experiment.spec import RunSpec
-from lessmem.sensitivity import BudgetChoice, fit, format_bytes, write_map_yaml
+from lessmem.experiment.probes import first_batch
+from lessmem.experiment.runtime import PRECISIONS, seed_everything
+from lessmem.experiment.spec import RunSpec, resolve_run
+from lessmem.sensitivity import (
+    BudgetChoice,
+    PlanRow,
+    budget_profile,
+    fit,
+    format_bytes,
+    parse_bytes,
+    plan_batches,
+    write_map_yaml,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,3 +54,23 @@ def choose_for_budget(model: nn.Module, batch: tuple[Tensor, Tensor], spec: RunS
                                    norm_storage=chosen.norm_storage, act_storage=chosen.act_storage,
                                    source=str(path), given=f"memory_budget={budget}")
     return replace(spec, choice=choice, memory_batch=spec.batch_size), chosen
+
+
+def plan_for_config(cfg: DictConfig, factors: tuple[float, ...]) -> tuple[RunSpec, int, list[PlanRow]]:
+    """(the run's spec, ``memory_budget`` in bytes, one row per batch size: ``factors`` x stock's
+    largest batch within the budget, each with the best map's predicted whole-step peak and error).
+    Measured once, at ``batch_size`` on the run's first validation batch, as ``memory_budget`` is
+    in training (``lessmem.fit``'s profile and cache); the other batch sizes are predictions."""
+    if cfg.get("memory_budget") is None:
+        raise ValueError("lessmem-plan needs memory_budget (e.g. memory_budget=6GiB): the plan is for one budget")
+    spec = resolve_run(cfg)
+    budget = parse_bytes(spec.memory_budget)
+    seed_everything(spec.seed)
+    model = build_model_from_cfg(spec.config).to(spec.device, memory_format=spec.memory_format)
+    _, val_loader = build_loaders(spec.config["dataset"], spec.batch_size, spec.eval_batch_size, spec.seed,
+                                  spec.max_steps_per_epoch)
+    x, y = first_batch(val_loader, spec.batch_size)
+    profile = budget_profile(model, (x.to(spec.device), y.to(spec.device)),
+                             optimizer=lambda params: build_optimizer(spec.config["optimizer"], params),
+                             loss_fn=spec.task.criterion, amp_dtype=PRECISIONS[spec.precision])
+    return spec, budget, plan_batches(profile, budget, factors)

@@ -9,6 +9,7 @@ from lessmem.reporting.directory import report_dir
 from lessmem.reporting.pareto import pareto_front
 from lessmem.reporting.plots import (
     plot_accuracy_curves,
+    plot_batch_plan,
     plot_per_layer,
     plot_ratio_bars,
     pyplot,
@@ -33,6 +34,7 @@ __all__ = [
     "markdown_table",
     "pareto_front",
     "plot_accuracy_curves",
+    "plot_batch_plan",
     "plot_per_layer",
     "plot_ratio_bars",
     "pyplot",

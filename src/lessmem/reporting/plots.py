@@ -137,3 +137,28 @@ def plot_ratio_bars(rows: Sequence[Mapping[str, Any]], path: str | Path, title: 
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     return save_figure(fig, path)
+
+
+def plot_batch_plan(rows: Sequence[Mapping[str, Any]], budget_bytes: float, path: str | Path, title: str = "") -> Path:
+    """A memory budget's batch plan: the best map's predicted whole-step peak against the budget
+    (left) and its predicted whole-gradient error (right) per batch size; batch sizes where
+    nothing fits are marked at the floor's predicted peak."""
+    plt = pyplot()
+    fig, (peak_ax, err_ax) = plt.subplots(1, 2, figsize=(9, 3.6))
+    fits = [r for r in rows if r["fits"]]
+    over = [r for r in rows if not r["fits"]]
+    peak_ax.plot([r["batch_size"] for r in fits], [r["predicted_peak_bytes"] / MiB for r in fits], "o-",
+                 label="best map (predicted)")
+    if over:
+        peak_ax.plot([r["batch_size"] for r in over], [r["predicted_peak_bytes"] / MiB for r in over], "x",
+                     color="red", label="nothing fits (floor)")
+    peak_ax.axhline(budget_bytes / MiB, color="black", ls=":", label="budget")
+    peak_ax.set(xlabel="batch size", ylabel="whole-step peak (MiB)")
+    peak_ax.legend(fontsize=8)
+    # log scale; an exact map (error 0) is drawn at 1e-12
+    err_ax.plot([r["batch_size"] for r in fits], [max(r["grad_error"], 1e-12) for r in fits], "o-")
+    err_ax.set(xlabel="batch size", ylabel="predicted whole-gradient error", yscale="log", xlim=peak_ax.get_xlim())
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return save_figure(fig, path)
