@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lessmem.sensitivity.fit import BudgetProfile, largest_batch, scaled_menu, smallest_map
+from lessmem.sensitivity.fit import AIM, BudgetProfile, largest_batch, scaled_menu, smallest_map
 from lessmem.sensitivity.menu import DEFAULT_CRITERION
 
 
@@ -31,7 +31,7 @@ def plan_batches(profile: BudgetProfile, budget_bytes: float, factors: tuple[flo
         if peaks.predict(floor.score["bytes"]) > budget_bytes:
             rows.append(PlanRow(batch, False, peaks.predict(floor.score["bytes"]), None, None))
             continue
-        target = max(peaks.saved_for(budget_bytes), floor.score["bytes"])
+        target = max(peaks.saved_for(AIM * budget_bytes), floor.score["bytes"])  # as fit() aims
         choice = menu.make_map(min(target, menu.stock_bytes), criterion)
         rows.append(PlanRow(batch, True, peaks.predict(choice.score["bytes"]), choice.score["grad_error"],
                             choice.score["cosine"]))
