@@ -11,18 +11,16 @@ per layer, stacked: compressed vs full; the title gives the share of stock PyTor
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lessmem.cli.errors import exit_on_user_error
+from lessmem.cli.errors import command_args, exit_on_user_error
 from lessmem.experiment import compose_config, coverage_for_config, save_report
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
+    argv = command_args(argv, __doc__)
+    if argv is None:
         return 0
     with exit_on_user_error("lessmem-coverage"):
         cfg = compose_config(argv, "coverage")

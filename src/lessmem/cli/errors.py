@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 
@@ -80,3 +80,13 @@ def hydra_entry(prog: str, main: Callable[[], Any]) -> None:
     finally:
         os.environ.pop("HYDRA_FULL_ERROR", None)
         os.environ.pop(_FORCED, None)
+
+
+def command_args(argv: Sequence[str] | None, doc: str | None) -> list[str] | None:
+    """A Hydra-override command's arguments (``sys.argv[1:]`` when ``argv`` is None), or None once
+    ``-h`` / ``--help`` has printed the command's ``doc``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(doc)
+        return None
+    return args

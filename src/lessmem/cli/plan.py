@@ -17,20 +17,18 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
-import sys
 from collections.abc import Sequence
 
 from omegaconf import open_dict
 
-from lessmem.cli.errors import exit_on_user_error
+from lessmem.cli.errors import command_args, exit_on_user_error
 from lessmem.experiment import compose_config, plan_for_config
 from lessmem.reporting import MiB, plot_batch_plan
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
+    argv = command_args(argv, __doc__)
+    if argv is None:
         return 0
     with exit_on_user_error("lessmem-plan"):
         cfg = compose_config(argv, "plan")

@@ -12,11 +12,10 @@ The config is ``conf/sensitivity.yaml``: the training config, the ``menu`` group
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lessmem.cli.errors import exit_on_user_error
+from lessmem.cli.errors import command_args, exit_on_user_error
 from lessmem.experiment import compose_config
 from lessmem.search import check_criterion, measure_config_menu, write_menu_files
 from lessmem.sensitivity import MAP_KINDS, MenuResult
@@ -42,9 +41,8 @@ def _print_menu(result: MenuResult) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
+    argv = command_args(argv, __doc__)
+    if argv is None:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with exit_on_user_error("lessmem-sensitivity"):
