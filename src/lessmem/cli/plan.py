@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import logging
 from collections.abc import Sequence
 
 from omegaconf import open_dict
@@ -30,6 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = command_args(argv, __doc__)
     if argv is None:
         return 0
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the profile's progress (lessmem.fit)
     with exit_on_user_error("lessmem-plan"):
         cfg = compose_config(argv, "plan")
         if not cfg.get("out_dir"):

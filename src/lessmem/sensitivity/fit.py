@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -42,6 +43,8 @@ from lessmem.sensitivity.menu import CRITERIA, DEFAULT_CRITERION, MapChoice, Men
 from lessmem.sensitivity.menu_measure import measure_menu
 from lessmem.sensitivity.menu_options import MenuOptions
 from lessmem.sensitivity.peak_model import PeakModel
+
+log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -164,6 +167,9 @@ def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | floa
             profile.peaks.add(saved, measured)
             _save(cache_file, profile)
         measured = int(measured)
+        log.info("lessmem.fit: map saving %s: step peak %s (predicted %s, budget %s)%s", format_bytes(saved),
+                 format_bytes(measured), format_bytes(predicted), format_bytes(budget_bytes),
+                 " [measured before]" if known else "")
         if measured <= budget_bytes:
             if best is None or measured > best[2]:
                 best = (choice, predicted, measured, known)
@@ -215,6 +221,8 @@ def _measure_floor(profile: BudgetProfile, step: _Stepper, batch: tuple[Tensor, 
                    criterion: str) -> None:
     """The menu (on a sub-batch, bytes scaled up), stock's, the smallest map's and a map's near the bend."""
     n = menu_samples(len(batch[0]))
+    log.info("lessmem.fit: stock step peak %s; measuring the menu on %d of %d samples, then two steps",
+             format_bytes(profile.stock_peak), n, len(batch[0]))
     net = copy.deepcopy(step.model).train()
     menu = measure_menu(net, [(batch[0][:n], batch[1][:n])], FIT_MENU, loss_fn)
     profile.menu = scaled_menu(menu, len(batch[0]) / n)
@@ -231,6 +239,8 @@ def _measure_floor(profile: BudgetProfile, step: _Stepper, batch: tuple[Tensor, 
     bend = min(max(profile.peaks.bend(), least + span / 8), profile.menu.stock_bytes - span / 8)
     mid = profile.menu.make_map(bend, criterion)
     profile.peaks.add(mid.score["bytes"], step.peak(_plan(mid)).peak_bytes)
+    log.info("lessmem.fit: floor (the menu's smallest map) step peak %s; profile cached",
+             format_bytes(profile.floor_peak))
 
 
 def menu_samples(batch_size: int) -> int:
