@@ -23,9 +23,10 @@ LOSSY_STORAGES = ("bf16", "int8", "int4", "int2", "int1")
 @dataclass(frozen=True)
 class MenuOptions:
     """kernels x storages: every conv option (kernel 1 with native storage is the exact one);
-    token_kernels x storages: every token-linear option; norm_storages / act_storages / saved_storages: the lossy storages probed for each
-    BatchNorm input, GELU / SiLU input and saved-tensor region (``lessmem.sensitivity.regions``:
-    a module, other than an item, whose own forward saves floating tensors); empty: none."""
+    token_kernels x storages: every token-linear option; norm_storages / act_storages /
+    saved_storages: the lossy storages probed for each BatchNorm input, GELU / SiLU input and
+    saved-tensor region (``lessmem.sensitivity.regions``: a module, other than an item, whose own
+    forward saves floating tensors); empty: none."""
 
     kernels: tuple[int, ...] = DEFAULT_KERNELS
     token_kernels: tuple[int, ...] = DEFAULT_TOKEN_KERNELS
