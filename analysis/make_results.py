@@ -227,6 +227,9 @@ def budget_section(results: Path, docs: Path) -> list[str]:
 def lm_budget_section(results: Path, docs: Path) -> list[str]:
     """Issue 31 on the language model: the tight budget and the criterion check."""
     return embedded_summaries(results, docs, (
+        ("proof_tiny_llama_05/summary.md", "At 0.5x: the knapsack's map against uniform bf16",
+         "python analysis/proof.py --model tiny_llama --out docs/results/proof_tiny_llama_05 --budgets 0.5 "
+         "--search-trials 0 --uniform-per-budget 1 --menu docs/results/proof_tiny_llama_012/menu/menu.json"),
         ("proof_tiny_llama_012/summary.md", "At 0.12x: the knapsack's maps (full menu, and without token pooling) "
          "against uniform int2",
          "python analysis/proof.py --model tiny_llama --out docs/results/proof_tiny_llama_012 --budgets 0.12 "
@@ -310,6 +313,9 @@ FOLDERS = [
     "| [results/proof_tiny_llama](results/proof_tiny_llama/summary.md) | `python analysis/proof.py --model "
     "tiny_llama --out docs/results/proof_tiny_llama --budgets 0.25 --search-trials 0 --uniform-per-budget 1` "
     "(+ the `lossy_int8` runs, see its summary) | `python analysis/proof_summary.py docs/results/proof_tiny_llama` |",
+    "| [results/proof_tiny_llama_05](results/proof_tiny_llama_05/summary.md) | `python analysis/proof.py --model "
+    "tiny_llama --out docs/results/proof_tiny_llama_05 --budgets 0.5 --search-trials 0 --uniform-per-budget 1 --menu "
+    "docs/results/proof_tiny_llama_012/menu/menu.json` | `python analysis/proof_summary.py docs/results/proof_tiny_llama_05` |",
     "| [results/proof_tiny_llama_012](results/proof_tiny_llama_012/summary.md) | `python analysis/proof.py --model "
     "tiny_llama --out docs/results/proof_tiny_llama_012 --budgets 0.12 --search-trials 0 --uniform-per-budget 1` "
     "(+ `unpooled_0.12`, see its summary) | `python analysis/proof_summary.py docs/results/proof_tiny_llama_012` |",
