@@ -221,6 +221,9 @@ def budget_section(results: Path, docs: Path) -> list[str]:
         ("proof_resnet20/summary.md", "At 0.08x on the issue-12 schedule: the cosine's map, the per-tensor error's map, "
          "uniform options", "python analysis/proof.py --model resnet20 --out docs/results/proof_resnet20 --budgets 0.08 "
          "--search-trials 0 --compare-criteria tensor_error, then python analysis/proof_summary.py"),
+        ("proof_resnet20_0125/summary.md", "At 0.125x on the issue-12 schedule: the knapsack's map against uniform int4 "
+         "+ int2 BatchNorm", "python analysis/proof.py --model resnet20 --out docs/results/proof_resnet20_0125 --budgets "
+         "0.125 --search-trials 0 --uniform-per-budget 1 --menu docs/results/proof_resnet20/menu/menu.json"),
     ))
 
 
@@ -313,6 +316,9 @@ FOLDERS = [
     "| [results/proof_tiny_llama](results/proof_tiny_llama/summary.md) | `python analysis/proof.py --model "
     "tiny_llama --out docs/results/proof_tiny_llama --budgets 0.25 --search-trials 0 --uniform-per-budget 1` "
     "(+ the `lossy_int8` runs, see its summary) | `python analysis/proof_summary.py docs/results/proof_tiny_llama` |",
+    "| [results/proof_resnet20_0125](results/proof_resnet20_0125/summary.md) | `python analysis/proof.py --model "
+    "resnet20 --out docs/results/proof_resnet20_0125 --budgets 0.125 --search-trials 0 --uniform-per-budget 1 --menu "
+    "docs/results/proof_resnet20/menu/menu.json` | `python analysis/proof_summary.py docs/results/proof_resnet20_0125` |",
     "| [results/proof_tiny_llama_05](results/proof_tiny_llama_05/summary.md) | `python analysis/proof.py --model "
     "tiny_llama --out docs/results/proof_tiny_llama_05 --budgets 0.5 --search-trials 0 --uniform-per-budget 1 --menu "
     "docs/results/proof_tiny_llama_012/menu/menu.json` | `python analysis/proof_summary.py docs/results/proof_tiny_llama_05` |",
