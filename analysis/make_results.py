@@ -224,6 +224,10 @@ def budget_section(results: Path, docs: Path) -> list[str]:
         ("proof_resnet20_0125/summary.md", "At 0.125x on the issue-12 schedule: the knapsack's map against uniform int4 "
          "+ int2 BatchNorm", "python analysis/proof.py --model resnet20 --out docs/results/proof_resnet20_0125 --budgets "
          "0.125 --search-trials 0 --uniform-per-budget 1 --menu docs/results/proof_resnet20/menu/menu.json"),
+        ("proof_resnet20_005/summary.md", "At 0.05x on the issue-12 schedule (4 seeds): the knapsack's map against "
+         "uniform 2x2 int1 + int1 BatchNorm", "python analysis/proof.py --model resnet20 --out docs/results/proof_resnet20_005 "
+         "--budgets 0.05 --search-trials 0 --uniform-per-budget 1 --menu docs/results/proof_resnet20/menu/menu.json "
+         "--seeds 0 1 2 3"),
     ))
 
 
@@ -319,6 +323,10 @@ FOLDERS = [
     "| [results/proof_resnet20_0125](results/proof_resnet20_0125/summary.md) | `python analysis/proof.py --model "
     "resnet20 --out docs/results/proof_resnet20_0125 --budgets 0.125 --search-trials 0 --uniform-per-budget 1 --menu "
     "docs/results/proof_resnet20/menu/menu.json` | `python analysis/proof_summary.py docs/results/proof_resnet20_0125` |",
+    "| [results/proof_resnet20_005](results/proof_resnet20_005/summary.md) | `python analysis/proof.py --model "
+    "resnet20 --out docs/results/proof_resnet20_005 --budgets 0.05 --search-trials 0 --uniform-per-budget 1 --menu "
+    "docs/results/proof_resnet20/menu/menu.json --seeds 0 1 2 3` | `python analysis/proof_summary.py "
+    "docs/results/proof_resnet20_005` |",
     "| [results/proof_tiny_llama_05](results/proof_tiny_llama_05/summary.md) | `python analysis/proof.py --model "
     "tiny_llama --out docs/results/proof_tiny_llama_05 --budgets 0.5 --search-trials 0 --uniform-per-budget 1 --menu "
     "docs/results/proof_tiny_llama_012/menu/menu.json` | `python analysis/proof_summary.py docs/results/proof_tiny_llama_05` |",
