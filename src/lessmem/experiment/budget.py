@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import replace
+from typing import Any
 
 from omegaconf import DictConfig
 from torch import Tensor, nn
@@ -36,10 +37,8 @@ def choose_for_budget(model: nn.Module, batch: tuple[Tensor, Tensor], spec: RunS
     the budget choice). Stock fits: stock, said in one line. Nothing fits: ``NoFit`` (a ValueError,
     one error line)."""
     budget = spec.memory_budget
-    net = copy.deepcopy(model).to(spec.device, memory_format=spec.memory_format)
-    chosen = fit(net, (batch[0].to(spec.device), batch[1].to(spec.device)), budget,
-                 optimizer=lambda params: build_optimizer(spec.config["optimizer"], params),
-                 loss_fn=spec.task.criterion, amp_dtype=PRECISIONS[spec.precision])
+    net, on_device, settings = _as_measured(model, batch, spec)
+    chosen = fit(net, on_device, budget, **settings)
     if chosen.stock:
         log.warning("lessmem: stock already fits memory_budget=%s at batch %d (whole-step peak %s): training stock",
                     budget, chosen.batch_size, format_bytes(chosen.step_peak_bytes))
@@ -66,11 +65,19 @@ def plan_for_config(cfg: DictConfig, factors: tuple[float, ...]) -> tuple[RunSpe
     spec = resolve_run(cfg)
     budget = parse_bytes(spec.memory_budget)
     seed_everything(spec.seed)
-    model = build_model_from_cfg(spec.config).to(spec.device, memory_format=spec.memory_format)
+    model = build_model_from_cfg(spec.config)  # before the loaders, as in training: the same initial weights
     _, val_loader = build_loaders(spec.config["dataset"], spec.batch_size, spec.eval_batch_size, spec.seed,
                                   spec.max_steps_per_epoch)
-    x, y = first_batch(val_loader, spec.batch_size)
-    profile = budget_profile(model, (x.to(spec.device), y.to(spec.device)),
-                             optimizer=lambda params: build_optimizer(spec.config["optimizer"], params),
-                             loss_fn=spec.task.criterion, amp_dtype=PRECISIONS[spec.precision])
-    return spec, budget, plan_batches(profile, budget, factors)
+    net, on_device, settings = _as_measured(model, first_batch(val_loader, spec.batch_size), spec)
+    return spec, budget, plan_batches(budget_profile(net, on_device, **settings), budget, factors)
+
+
+def _as_measured(model: nn.Module, batch: tuple[Tensor, Tensor],
+                 spec: RunSpec) -> tuple[nn.Module, tuple[Tensor, Tensor], dict[str, Any]]:
+    """A copy of ``model`` and ``batch`` on the run's device and layout, and the step settings
+    (optimizer, loss, autocast dtype) ``fit`` / ``budget_profile`` measure with: one definition,
+    so ``lessmem-plan`` and ``lessmem-train memory_budget=`` measure alike and share a cache entry."""
+    net = copy.deepcopy(model).to(spec.device, memory_format=spec.memory_format)
+    settings = {"optimizer": lambda params: build_optimizer(spec.config["optimizer"], params),
+                "loss_fn": spec.task.criterion, "amp_dtype": PRECISIONS[spec.precision]}
+    return net, (batch[0].to(spec.device), batch[1].to(spec.device)), settings

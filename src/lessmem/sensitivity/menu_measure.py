@@ -241,9 +241,6 @@ class _InputSizes:
         self.net, self.names = net, sorted(set(names))
         self.sizes: dict[str, tuple[int, int]] = {}
 
-    def _options(self, layer: SensitivityLayer) -> list[tuple[int, str]]:
-        return self.token_options if isinstance(layer, TokenLinearLayer) else self.conv_options
-
     def attach(self) -> list:
         def hook(name: str):
             def record(module: nn.Module, args: tuple) -> None:
@@ -327,11 +324,11 @@ class _MenuRecorder:
             if name not in self.stats or len(self.stats[name]["grad_error"]) != n_batches:
                 continue  # never reached the loss
             shape, elem = self.shapes[name]
-            tokens = isinstance(layer, TokenLinearLayer)
+            tokens, options = isinstance(layer, TokenLinearLayer), self._options(layer)
             nbytes = [(0 if name in self.caller_held else math.prod(shape) * elem) if k == 1 and storage == "native"
                       else stored_bytes(pooled_numel(shape, k, tokens), storage, elem)
-                      for k, storage in self._options(layer)]
+                      for k, storage in options]
             group = group_ids.setdefault(self.groups[name], len(group_ids))
-            out.append(MenuItem(name, "linear" if tokens else "conv", [option_name(k, s) for k, s in self._options(layer)],
+            out.append(MenuItem(name, "linear" if tokens else "conv", [option_name(k, s) for k, s in options],
                                 nbytes, self.stats[name], group))
         return out
