@@ -98,6 +98,15 @@ def budget_limit(runs: dict[str, dict[int, dict]], spec: dict, out: Path, layout
     return MenuResult.load(REPO / layout["menu"]).uniform(spec["reference"].removeprefix("pool"))["ratio"]
 
 
+def diverged(metrics: dict) -> str | None:
+    """Where a run diverged: the training loop's record, or for a run from before that guard, a
+    non-finite final training loss (it trained on at NaN and was scored as it ended)."""
+    if where := metrics.get("diverged"):
+        return f"non-finite {where['in']} at epoch {where['epoch']}, step {where['step']}"
+    loss = metrics.get("final_train_loss")
+    return "non-finite training loss (trained on to the end)" if loss is not None and not math.isfinite(loss) else None
+
+
 def summarize(out: Path) -> dict:
     layout = layout_of(out)
     table = load_table(out)
@@ -123,8 +132,9 @@ def summarize(out: Path) -> dict:
             fits = ratio <= limit + 1e-9
             if not fits and info["home"] != budget:  # a config competes wherever its bytes fit
                 continue
+            failed = {s: where for s in seeds if (where := diverged(runs[config][s]))}
             rows.append({"config": config, "home": info["home"], "uniform": info["uniform"], "seeds": seeds,
-                         key: values, "mean": statistics.fmean(values),
+                         **({"diverged": failed} if failed else {}), key: values, "mean": statistics.fmean(values),
                          "std": statistics.stdev(values) if len(values) > 1 else math.nan, "ratio": ratio, "fits": fits})
         # The reference: the best uniform option among those run on the most seeds (a config still
         # missing seeds would be ranked on fewer, luckier or unluckier, seeds).
@@ -228,12 +238,18 @@ def markdown(result: dict, layout: dict) -> str:
                   "|---|---:|---|---|---:|---|---:|---:|---:|---|"]
         for r in data["rows"]:
             vs_u = r.get("vs_best_uniform", {})
+            marks = ["†" if str(seed) in r.get("diverged", {}) or seed in r.get("diverged", {}) else ""
+                     for seed in r["seeds"]]
             lines.append(
                 f"| {r['config']} | {r['ratio']:.3f} | {'yes' if r['fits'] else 'no'} | {len(r['seeds'])} | "
-                f"{r['mean']:.2f} ± {_fmt(r['std'], '.2f')} | {', '.join(f'{v:.2f}' for v in r[key])} | "
+                f"{r['mean']:.2f} ± {_fmt(r['std'], '.2f')} | "
+                f"{', '.join(f'{v:.2f}{m}' for v, m in zip(r[key], marks, strict=True))} | "
                 f"{_fmt(r['vs_stock']['mean_diff'])} | {_fmt(vs_u.get('mean_diff', math.nan))} | "
                 f"{_fmt(vs_u.get('p', math.nan), '.3f')} | {_ci(vs_u)} |")
         lines += ["", f"Best uniform option that fits: {data['best_uniform']}.", ""]
+        if failed := [f"{r['config']} seed {seed}: {where}" for r in data["rows"]
+                      for seed, where in r.get("diverged", {}).items()]:
+            lines += ["† diverged (scored as the run ended): " + "; ".join(failed) + ".", ""]
     return "\n".join(lines) + "\n"
 
 

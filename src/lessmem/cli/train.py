@@ -57,6 +57,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         f"{m['stock_saved_bytes'] / 2**20:.2f} MiB (ratio {m['ratio']:.3f}), whole-step peak ratio "
         f"{m['step_peak_ratio']:.3f}, "
         f"{m['train_time_s']:.1f}s -> {cfg.out_dir}"
+        + (f" (DIVERGED at epoch {m['diverged']['epoch']}, step {m['diverged']['step']})" if m.get("diverged") else "")
     )
     return m  # the metrics, for sweepers that optimize them (hydra.sweeper.objectives)
 

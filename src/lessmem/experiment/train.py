@@ -38,6 +38,7 @@ from lessmem.experiment.checkpoint import (
 from lessmem.experiment.compression import build_model_from_cfg, compress_model, wrap_for_training
 from lessmem.experiment.data import build_loaders
 from lessmem.experiment.distributed import all_reduce_sum, teardown, unwrap
+from lessmem.experiment.divergence import divergence_message, divergence_record, nonfinite_part
 from lessmem.experiment.loggers import Logger, build_logger, epoch_line, step_line, write_coverage
 from lessmem.experiment.optim import build_optimizer, build_scheduler
 from lessmem.experiment.probes import evaluate, first_batch, grad_cosine, measure
@@ -120,6 +121,8 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
                 record = train_epoch(state, spec, train_loader, at, stop, logger, checkpoints)
                 record.update(evaluate(state.net, val_loader, spec.task, spec.device, spec.precision))
                 end_epoch(record, at, spec, logger, memory)
+                if record.get("diverged"):  # no checkpoint: resuming would diverge again
+                    break
                 if main and (at.epoch % spec.checkpoint_every == 0 or at.epoch == spec.epochs):
                     checkpoints.save(state, at)
                 if on_epoch_end is not None and main:
@@ -185,6 +188,14 @@ def train_epoch(state: TrainState, spec: RunSpec, loader: Any, at: Position, sto
     for x, y in bar:
         global_step = at.epoch * steps + at.step
         loss, logits, x, y = train_step(state, spec, x, y)
+        part = nonfinite_part(loss, state.net.parameters(), not state.scaler.is_enabled(), spec.device)
+        if part is not None:  # counted in the epoch's sums (its loss), not applied to the weights
+            for key, value in task.train_sums(logits, y, loss).items():
+                sums[key] += value
+            at.partial["diverged"] = divergence_record(part, loss, at.epoch, at.step, global_step)
+            if main:
+                log.warning("lessmem: %s", divergence_message(at.partial["diverged"]))
+            break
         if spec.grad_cosine_every and global_step % spec.grad_cosine_every == 0:
             record_grad_cosine(state, spec, (x, y), at, global_step, logger)
         state.scaler.step(state.optimizer)
@@ -210,6 +221,8 @@ def train_epoch(state: TrainState, spec: RunSpec, loader: Any, at: Position, sto
     totals = dict(zip(sums, all_reduce_sum(list(sums.values()), spec.device), strict=True))  # global batch
     record: dict[str, Any] = {"epoch": at.epoch + 1, "lr": at.partial["lr"],
                               **task.train_record(totals, time.perf_counter() - start)}
+    if diverged := at.partial.get("diverged"):
+        record["diverged"] = diverged
     if cosine := at.partial["cosine"]:
         per_layer = {n: sum(v) / len(v) for n, v in cosine.items()}
         record["grad_cosine_mean"] = sum(per_layer.values()) / len(per_layer)
@@ -265,6 +278,7 @@ def summarize(spec: RunSpec, history: list[dict[str, Any]], memory: dict[str, An
         **spec.task.summary(history),
         **memory,
         "train_time_s": sum(h["epoch_time_s"] for h in history),
+        "diverged": next((h["diverged"] for h in history if h.get("diverged")), None),
         "history": history,
     }
 

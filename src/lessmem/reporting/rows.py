@@ -52,7 +52,7 @@ def _load_map(cfg: Mapping[str, Any], base: Path) -> dict[str, Any]:
 def row_from(cfg: Mapping[str, Any], metrics: Mapping[str, Any], *, name: str | None = None,
              history: list[dict[str, Any]] | None = None, complete: bool = True,
              path: str = "", base: Path | None = None) -> dict[str, Any]:
-    """A ``COLUMNS`` row (plus history/path/complete) from a resolved config and metrics."""
+    """A ``COLUMNS`` row (plus history/path/complete/diverged) from a resolved config and metrics."""
     ccfg = cfg.get("compression") or {}
     # Runs record their map, its name and hash (the config alone can mislabel a map_file run).
     mapping = metrics.get("compression_map")
@@ -74,7 +74,7 @@ def row_from(cfg: Mapping[str, Any], metrics: Mapping[str, Any], *, name: str | 
         "epochs_planned": cfg.get("epochs"),
         "best_top1": metrics.get("best_top1"),
         "history": list(history if history is not None else metrics.get("history", [])),
-        "complete": complete, "path": path,
+        "complete": complete, "path": path, "diverged": metrics.get("diverged"),
     }
 
 

@@ -15,6 +15,7 @@ def write_csv(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     extra = [c for c in ("score", "complete") if any(c in r for r in rows)]
+    extra += ["diverged"] if any(r.get("diverged") for r in rows) else []
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(COLUMNS + extra)
@@ -49,6 +50,8 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], front: Sequence[Mapping[st
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         name = r["name"] + ("" if r.get("complete", True) else " (running)")
+        if where := r.get("diverged"):
+            name += f" (diverged: epoch {where['epoch']}, step {where['step']})"
         lines.append("| " + " | ".join([
             name, str(r.get("map")), f"`{r.get('kernels')}`", _fmt(r.get("saved_bytes"), "mib"),
             _fmt(r.get("ratio"), "ratio"), _fmt(r.get("peak_bytes"), "mib"),
