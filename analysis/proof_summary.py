@@ -222,7 +222,7 @@ def markdown(result: dict, layout: dict) -> str:
         for sr in result["searches"]:
             k = sr.get("knapsack")
             knap = f"{scale * k['score']:.2f}" if k else "—"
-            lines.append(f"| {sr['budget']:.4g} | {sr['complete_trials'] + sr['pruned_trials']} ({sr['pruned_trials']}) | "
+            lines.append(f"| {sr['budget']:.4g} | {sr['complete_trials'] + sr['pruned_trials'] + sr.get('diverged_trials', 0)} ({sr['pruned_trials']}) | "
                          f"{sr['distinct_maps_trained']} | {knap} | trial {sr['best']['trial']}: "
                          f"{scale * sr['best']['score']:.2f} | {'yes' if sr['best_is_knapsack'] else 'no'} | "
                          f"[{sr['dir']}/report.md]({sr['dir']}/report.md) |")

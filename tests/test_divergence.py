@@ -52,3 +52,26 @@ def test_nonfinite_gradient_is_never_applied(compose, tiny_lm, tmp_path: Path, m
     assert len(nets) == 1 and all(torch.equal(p, before[n]) for n, p in nets[0].named_parameters())
     row = row_from(compose(*tiny_lm), metrics)
     assert "(diverged: epoch 1, step 1)" in markdown_table([row])
+
+
+def test_search_report_never_picks_a_diverged_trial(tmp_path: Path) -> None:
+    import optuna
+    from omegaconf import OmegaConf
+
+    from lessmem.search.report import write_report
+
+    study = optuna.create_study(direction="maximize")
+    for number, (value, diverged) in enumerate([(0.9, {"epoch": 1, "step": 3}), (0.5, None)]):
+        map_file = tmp_path / f"map{number}.yaml"
+        map_file.write_text(f"map: {{'*': {number + 2}}}\n")
+        attrs = {"seed": "knapsack" if number == 0 else "tpe", "ratio": 0.3, "criterion": 0.1, "score": value,
+                 "map_file": str(map_file), **({"diverged": diverged} if diverged else {})}
+        study.add_trial(optuna.trial.create_trial(value=value, user_attrs=attrs))
+    search = OmegaConf.create({"out_dir": str(tmp_path), "study_name": "t", "direction": "maximize",
+                               "score_key": "best_top1", "budget": 0.4, "criterion": "tensor_error",
+                               "pruner": {"name": "none"}})
+    summary = write_report(study, search)
+    assert summary["best"]["trial"] == 1 and summary["diverged_trials"] == 1 and summary["complete_trials"] == 1
+    assert (tmp_path / "best_map.yaml").read_text() == (tmp_path / "map1.yaml").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "| 0 | knapsack | diverged (epoch 1, step 3) |" in report and "1 diverged (never the best)" in report

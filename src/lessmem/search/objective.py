@@ -86,6 +86,8 @@ class Objective:
         earlier = self._trained(trial.study, key)
         if earlier is not None:
             trial.set_user_attr("same_as", earlier.number)
+            if "diverged" in earlier.user_attrs:
+                trial.set_user_attr("diverged", earlier.user_attrs["diverged"])
             score = float(earlier.value)
         else:
             score = train_trial(cfg, trial, str(self.search.score_key), self.search.direction == "minimize")
@@ -119,6 +121,8 @@ def train_trial(cfg: DictConfig, trial: optuna.Trial, score_key: str, minimize: 
             raise optuna.TrialPruned(f"pruned after epoch {epoch} ({metric} {value:.4f})")
 
     metrics = run(cfg, on_epoch_end=report)
+    if metrics.get("diverged"):  # scored as it stopped; the report never picks it as the best
+        trial.set_user_attr("diverged", metrics["diverged"])
     trial.set_user_attr("measured_saved_bytes", metrics.get("saved_bytes"))
     trial.set_user_attr("stock_saved_bytes", metrics.get("stock_saved_bytes"))
     return float(metrics[score_key])

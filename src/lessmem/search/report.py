@@ -15,12 +15,13 @@ from omegaconf import DictConfig
 
 from lessmem.reporting import pyplot, save_figure
 
-FIELDS = ["trial", "seed", "state", "pruned_at_epoch", "saved_bytes", "ratio", "criterion", "score", "same_as",
+FIELDS = ["trial", "seed", "state", "pruned_at_epoch", "diverged_at", "saved_bytes", "ratio", "criterion", "score", "same_as",
           "map_file"]
 
 
 def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
-    """Complete and pruned trials (a pruned one's score: its last reported value)."""
+    """Complete, diverged (training stopped at a non-finite loss or gradient; scored as it stopped)
+    and pruned trials (a pruned one's score: its last reported value)."""
     rows = []
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     for t in study.get_trials(deepcopy=False, states=states):
@@ -28,8 +29,10 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
         pruned = t.state == optuna.trial.TrialState.PRUNED
         last, value = last_report(t)
         score = value if pruned else a.get("score")
-        rows.append({"trial": t.number, "seed": a.get("seed", ""), "state": "pruned" if pruned else "complete",
+        state = "pruned" if pruned else "diverged" if "diverged" in a else "complete"
+        rows.append({"trial": t.number, "seed": a.get("seed", ""), "state": state,
                      "pruned_at_epoch": last if pruned and last is not None else "",
+                     "diverged_at": f"epoch {d['epoch']}, step {d['step']}" if (d := a.get("diverged")) else "",
                      "saved_bytes": a.get("saved_bytes"), "ratio": a.get("ratio"), "criterion": a.get("criterion"),
                      "score": score,
                      "same_as": a.get("same_as", ""), "map_file": a.get("map_file", "")})
@@ -41,7 +44,9 @@ def write_report(study: optuna.Study, search: DictConfig) -> dict[str, Any]:
     rows = trial_rows(study)
     complete = [r for r in rows if r["state"] == "complete"]
     if not complete:
-        raise RuntimeError(f"study {search.study_name} has no complete trial")
+        diverged = sum(r["state"] == "diverged" for r in rows)
+        raise RuntimeError(f"study {search.study_name} has no complete trial"
+                           + (f" ({diverged} diverged)" if diverged else ""))
     with (out_dir / "trials.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
@@ -53,7 +58,8 @@ def write_report(study: optuna.Study, search: DictConfig) -> dict[str, Any]:
     summary = {
         "study": search.study_name, "score_key": search.score_key,
         "budget": float(search.budget), "criterion": search.criterion, "pruner": str(search.pruner.name),
-        "complete_trials": len(complete), "pruned_trials": len(rows) - len(complete),
+        "complete_trials": len(complete), "pruned_trials": sum(r["state"] == "pruned" for r in rows),
+        "diverged_trials": sum(r["state"] == "diverged" for r in rows),
         "distinct_maps_trained": len({r["map_file"] for r in complete if r["same_as"] == ""}),
         "best": {k: best[k] for k in ("trial", "score", "ratio", "criterion")},
         "best_map": str(out_dir / "best_map.yaml"),
@@ -81,7 +87,8 @@ def _markdown(rows: Sequence[dict[str, Any]], summary: dict[str, Any], search: D
              f"Maps at <= {float(search.budget):g}x stock saved bytes, the knapsack over the whole menu on "
              f"`{search.criterion}` with per-unit weights from Optuna (TPE); score: `{search.score_key}` of a short "
              f"training run ({search.pruner.name} pruning). {summary['complete_trials']} complete trials "
-             f"({summary['distinct_maps_trained']} distinct maps trained), {summary['pruned_trials']} pruned.", "",
+             f"({summary['distinct_maps_trained']} distinct maps trained), {summary['pruned_trials']} pruned"
+             + (f", {summary['diverged_trials']} diverged (never the best)" if summary["diverged_trials"] else "") + ".", "",
              f"Best: trial {summary['best']['trial']} ({summary['best']['score']:.4f}); "
              + (f"the criterion's own map (trial {summary['knapsack']['trial']}): {summary['knapsack']['score']:.4f}."
                 if summary["knapsack"] else "the criterion's own map did not complete."), "",
@@ -89,6 +96,7 @@ def _markdown(rows: Sequence[dict[str, Any]], summary: dict[str, Any], search: D
     for r in sorted(rows, key=lambda r: -(r["score"] if r["score"] is not None else -1)):
         score = "" if r["score"] is None else f"{r['score']:.4f}"
         state = r["state"] + (f" (epoch {r['pruned_at_epoch']})" if r["pruned_at_epoch"] != "" else "")
+        state += f" ({r['diverged_at']})" if r["diverged_at"] else ""
         lines.append(f"| {r['trial']} | {r['seed']} | {state} | {r['ratio']:.3f} | {r['criterion']:.4g} | "
                      f"{score} | {r['same_as']} |")
     return "\n".join(lines) + "\n"
