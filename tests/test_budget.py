@@ -114,6 +114,13 @@ def test_train_nothing_fits_is_one_line(run_cli, tiny, tmp_path: Path) -> None:
     assert result.is_one_error("lessmem-train", "largest batch that fits")
 
 
+def test_train_bad_budget_fails_before_reading_data(run_cli, tiny, tmp_path: Path) -> None:
+    # The dataset root does not exist either: the budget is checked first, before any data is read.
+    on_disk = [o for o in tiny if not o.startswith("dataset")] + ["dataset=cifar10", f"dataset.root={tmp_path / 'no'}"]
+    result = run_cli(train_main, "lessmem-train", *on_disk, f"out_dir={tmp_path}", "memory_budget=6QB")
+    assert result.is_one_error("lessmem-train", "memory size '6QB' is not bytes")
+
+
 def test_train_stock_fits_records_budget(compose, tiny, tmp_path: Path) -> None:
     metrics = run(compose(*tiny, f"out_dir={tmp_path}", "memory_budget=10GiB"))
     memory = json.loads((tmp_path / "memory.json").read_text())
