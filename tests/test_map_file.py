@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from lessmem.cli.train import train_main
 from lessmem.experiment import run
 from lessmem.experiment.compression import resolve_compression
 
@@ -61,6 +62,17 @@ def test_command_line_map_string_takes_globs_and_dotted_names(compose) -> None:
     cfg = compose("compression=pool2", 'compression.map="layer1.*:4,layer2.0.conv1:2/int4,*:2"')
     choice = resolve_compression(cfg.compression)
     assert list(choice.map.items()) == [("layer1.*", 4), ("layer2.0.conv1", "2/int4"), ("*", 2)]
+
+
+def test_command_line_map_as_json_reads_the_same(compose, run_cli, tiny, tmp_path: Path) -> None:
+    as_json = resolve_compression(compose('compression.map=\'{"layer1.*": 4, "*": "2/int4"}\'').compression)
+    as_pairs = resolve_compression(compose('compression.map="layer1.*:4,*:2/int4"').compression)
+    assert list(as_json.map.items()) == [("layer1.*", 4), ("*", "2/int4")] and as_json.digest == as_pairs.digest
+    with pytest.raises(ValueError, match="not a valid JSON / YAML mapping"):
+        resolve_compression(compose("compression.map='{layer1: [4'").compression)
+    # Hydra's own dict syntax adds keys to a fixed node: the error says how to write a map.
+    result = run_cli(train_main, "lessmem-train", *tiny, f"out_dir={tmp_path}", "compression.map={conv1:2}")
+    assert result.is_one_error("lessmem-train", "write compression.map=")
 
 
 def test_a_changed_preset_is_labelled_by_what_ran(compose) -> None:

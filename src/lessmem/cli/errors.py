@@ -60,7 +60,12 @@ def exit_on_user_error(prog: str) -> Iterator[None]:
     except user_errors() as e:
         if _full_error():
             raise
-        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
+        message = one_line(e)
+        if "override 'compression.map'" in message:  # a Hydra dict override of the map (struct error)
+            from lessmem.experiment.compression import MAP_FORM
+
+            message += f"; write {MAP_FORM}"
+        print(f"{prog}: error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -93,7 +93,17 @@ def _plain(value: Any) -> Any:
 
 def parse_map_string(text: str) -> dict[str, Any]:
     """``"layer1.*:4,*:2/int4"`` -> ``{"layer1.*": 4, "*": "2/int4"}`` (order kept: first match wins;
-    a bare kernel is a number, as in a YAML map, so equal maps hash equally)."""
+    a bare kernel is a number, as in a YAML map, so equal maps hash equally). A JSON / YAML mapping
+    (``'{"layer1.*": 4, "*": "2/int4"}'``) reads the same."""
+    if text.lstrip().startswith("{"):
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ValueError(f"compression.map={text!r} is not a valid JSON / YAML mapping: "
+                             f"{' '.join(str(e).split())}; or write {MAP_FORM}") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"compression.map={text!r} is not a mapping; write {MAP_FORM}")
+        return _checked({str(k): v for k, v in data.items()}, f"compression.map={text!r}")
     mapping: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         pattern, colon, spec = item.rpartition(":")
