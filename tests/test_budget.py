@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -121,8 +122,10 @@ def test_train_bad_budget_fails_before_reading_data(run_cli, tiny, tmp_path: Pat
     assert result.is_one_error("lessmem-train", "memory size '6QB' is not bytes")
 
 
-def test_train_stock_fits_records_budget(compose, tiny, tmp_path: Path) -> None:
-    metrics = run(compose(*tiny, f"out_dir={tmp_path}", "memory_budget=10GiB"))
+def test_train_stock_fits_records_budget(compose, tiny, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        metrics = run(compose(*tiny, f"out_dir={tmp_path}", "memory_budget=10GiB"))  # tiny is compression=pool2
+    assert "memory_budget=10GiB replaces compression 'pool2'" in caplog.text
     memory = json.loads((tmp_path / "memory.json").read_text())
     for record in (metrics, memory):
         assert record["memory_budget_bytes"] == 10 * 2**30 and record["budget_stock_fits"]

@@ -37,6 +37,9 @@ def choose_for_budget(model: nn.Module, batch: tuple[Tensor, Tensor], spec: RunS
     the budget choice). Stock fits: stock, said in one line. Nothing fits: ``NoFit`` (a ValueError,
     one error line)."""
     budget = spec.memory_budget
+    if not spec.choice.is_stock:
+        log.warning("lessmem: memory_budget=%s replaces compression %r: the map is the one chosen for the budget",
+                    budget, spec.choice.name)
     net, on_device, settings = _as_measured(model, batch, spec)
     chosen = fit(net, on_device, budget, **settings)
     if chosen.stock:
