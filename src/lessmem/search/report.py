@@ -105,9 +105,13 @@ def _markdown(rows: Sequence[dict[str, Any]], summary: dict[str, Any], search: D
 def plot_search(rows: Sequence[dict[str, Any]], path: Path, search: DictConfig) -> Path:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.0, 4.2))
-    for state, marker, color in (("complete", "o", "tab:blue"), ("pruned", "x", "tab:orange")):
+    labels = {"complete": "complete", "pruned": "pruned (last reported)", "diverged": "diverged (as it stopped)"}
+    for state, marker, color in (("complete", "o", "tab:blue"), ("pruned", "x", "tab:orange"),
+                                 ("diverged", "v", "tab:gray")):
         shown = [r for r in rows if r["state"] == state and r["score"] is not None]
-        label = state if state == "complete" else "pruned (last reported)"
+        if not shown:
+            continue
+        label = labels[state]
         ax.scatter([r["criterion"] for r in shown], [r["score"] for r in shown], marker=marker, color=color,
                    s=24, label=label)
     for r in rows:
