@@ -142,8 +142,7 @@ def _intro(result: dict, layout: dict) -> str:
                 f"({result.get('schedule', 'unknown')}); criteria predicted from one menu measurement "
                 f"({result['meta'].get('weights')}). Maps: the knapsack's of every criterion at each budget, "
                 f"uniform options, random per-unit draws over the menu in saved-bytes bins. Commands: "
-                f"`python analysis/proof.py --model {layout['model']} --out DIR --criterion-check N`, "
-                f"`python analysis/criterion_summary.py DIR`.")
+                f"{layout['command']}.")
     return (f"{result['maps']} maps (stock included), resnet20 on CIFAR-10, one seed each, the same short schedule "
              f"({result.get('schedule', 'unknown')}); criteria predicted from one storage-menu measurement of the "
              "stock model after its first epoch. Maps: uniform, random per-layer draws over the whole menu in "

@@ -235,14 +235,14 @@ def lm_budget_section(results: Path, docs: Path) -> list[str]:
     """Issue 31 on the language model: the tight budget and the criterion check."""
     return embedded_summaries(results, docs, (
         ("proof_tiny_llama_05/summary.md", "At 0.5x: the knapsack's map against uniform bf16",
-         "python analysis/proof.py --model tiny_llama --out docs/results/proof_tiny_llama_05 --budgets 0.5 "
+         "python analysis/proof.py --model tiny_llama --set optimizer.lr=2e-3 --out docs/results/proof_tiny_llama_05 --budgets 0.5 "
          "--search-trials 0 --uniform-per-budget 1 --menu docs/results/proof_tiny_llama_012/menu/menu.json"),
         ("proof_tiny_llama_012/summary.md", "At 0.12x: the knapsack's maps (full menu, and without token pooling) "
          "against uniform int2",
-         "python analysis/proof.py --model tiny_llama --out docs/results/proof_tiny_llama_012 --budgets 0.12 "
+         "python analysis/proof.py --model tiny_llama --set optimizer.lr=2e-3 --out docs/results/proof_tiny_llama_012 --budgets 0.12 "
          "--search-trials 0 --uniform-per-budget 1"),
         ("criterion_check_lm/summary.md", "Does the criterion predict val_ppl? (16 maps, seed 0)",
-         "python analysis/proof.py --model tiny_llama --out docs/results/criterion_check_lm --budgets 0.5 0.25 0.12 "
+         "python analysis/proof.py --model tiny_llama --set optimizer.lr=2e-3 --out docs/results/criterion_check_lm --budgets 0.5 0.25 0.12 "
          "--criterion-check 16"),
     ))
 
@@ -318,7 +318,7 @@ FOLDERS = [
     "--out docs/results/proof_resnet20 --budgets 0.08 --search-trials 0 --compare-criteria tensor_error` "
     "| `python analysis/proof_summary.py docs/results/proof_resnet20` |",
     "| [results/proof_tiny_llama](results/proof_tiny_llama/summary.md) | `python analysis/proof.py --model "
-    "tiny_llama --out docs/results/proof_tiny_llama --budgets 0.25 --search-trials 0 --uniform-per-budget 1` "
+    "tiny_llama --set optimizer.lr=2e-3 --out docs/results/proof_tiny_llama --budgets 0.25 --search-trials 0 --uniform-per-budget 1` "
     "(+ the `lossy_int8` runs, see its summary) | `python analysis/proof_summary.py docs/results/proof_tiny_llama` |",
     "| [results/proof_resnet20_0125](results/proof_resnet20_0125/summary.md) | `python analysis/proof.py --model "
     "resnet20 --out docs/results/proof_resnet20_0125 --budgets 0.125 --search-trials 0 --uniform-per-budget 1 --menu "
@@ -328,13 +328,13 @@ FOLDERS = [
     "docs/results/proof_resnet20/menu/menu.json --seeds 0 1 2 3` | `python analysis/proof_summary.py "
     "docs/results/proof_resnet20_005` |",
     "| [results/proof_tiny_llama_05](results/proof_tiny_llama_05/summary.md) | `python analysis/proof.py --model "
-    "tiny_llama --out docs/results/proof_tiny_llama_05 --budgets 0.5 --search-trials 0 --uniform-per-budget 1 --menu "
+    "tiny_llama --set optimizer.lr=2e-3 --out docs/results/proof_tiny_llama_05 --budgets 0.5 --search-trials 0 --uniform-per-budget 1 --menu "
     "docs/results/proof_tiny_llama_012/menu/menu.json` | `python analysis/proof_summary.py docs/results/proof_tiny_llama_05` |",
     "| [results/proof_tiny_llama_012](results/proof_tiny_llama_012/summary.md) | `python analysis/proof.py --model "
-    "tiny_llama --out docs/results/proof_tiny_llama_012 --budgets 0.12 --search-trials 0 --uniform-per-budget 1` "
+    "tiny_llama --set optimizer.lr=2e-3 --out docs/results/proof_tiny_llama_012 --budgets 0.12 --search-trials 0 --uniform-per-budget 1` "
     "(+ `unpooled_0.12`, see its summary) | `python analysis/proof_summary.py docs/results/proof_tiny_llama_012` |",
     "| [results/criterion_check_lm](results/criterion_check_lm/summary.md) | `python analysis/proof.py --model "
-    "tiny_llama --out docs/results/criterion_check_lm --budgets 0.5 0.25 0.12 --criterion-check 16` "
+    "tiny_llama --set optimizer.lr=2e-3 --out docs/results/criterion_check_lm --budgets 0.5 0.25 0.12 --criterion-check 16` "
     "| `python analysis/criterion_summary.py docs/results/criterion_check_lm` |",
     "| [results/speed_raw.md](results/speed_raw.md) | the `python benchmarks/speed.py ...` line heading "
     "each output | [results/speed.md](results/speed.md) (hand-written) |",

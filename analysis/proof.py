@@ -227,13 +227,14 @@ def is_new(choice: MapChoice, maps: dict[str, MapChoice]) -> bool:
 
 
 def layout(preset: Preset, model: str, configs: dict[str, dict], budgets: list[float], menu: Path,
-           argv: list[str]) -> dict:
-    """What ``proof_summary.py`` reads; ``argv``: the driver's own arguments, printed as its command."""
+           argv: list[str], summary: str = "proof_summary") -> dict:
+    """What ``proof_summary.py`` (``criterion_summary.py``) reads; ``argv``: the driver's own arguments,
+    printed as its command."""
     return {"title": f"Maps at a memory budget ({model})", "model": model, "metric": preset.metric,
             "key": preset.label, "scale": preset.scale, "label": preset.label, "lower_is_better": preset.lower_is_better,
             "budgets": {budget_name(b): {"label": f"{b:g}x stock", "limit": b} for b in sorted(budgets, reverse=True)},
             "configs": configs, "menu": str(menu),
-            "command": f"`python analysis/proof.py {shlex.join(argv)}` then `python analysis/proof_summary.py DIR`",
+            "command": f"`python analysis/proof.py {shlex.join(argv)}` then `python analysis/{summary}.py DIR`",
             "search_note": (f"Per-unit weights on the menu knapsack (every trial's map fits its budget); trials as in "
                             f"`sweeps/{preset.sweep}.yaml`. Trial 0 is the knapsack's own map at that budget.")}
 
@@ -278,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         write_map(out, name, choice, f"{args.model} proof map {name}")
     jobs = jobs_for(out, preset, args, configs, menu_path)
     (out / "proof.json").write_text(json.dumps(relative_to_repo(
-        layout(preset, args.model, configs, args.budgets, menu_path, argv)
+        layout(preset, args.model, configs, args.budgets, menu_path, argv,
+               "criterion_summary" if args.criterion_check else "proof_summary")
         | {"criterion": args.criterion, "seeds": args.seeds, "criterion_check": bool(args.criterion_check)}), indent=1))
     schedule(jobs, args.workers, args.threads, out)
     if args.criterion_check:
