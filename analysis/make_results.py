@@ -234,6 +234,10 @@ def budget_section(results: Path, docs: Path) -> list[str]:
 def lm_budget_section(results: Path, docs: Path) -> list[str]:
     """Issue 31 on the language model: the tight budget and the criterion check."""
     return embedded_summaries(results, docs, (
+        ("proof_tiny_llama_lr1e3/summary.md", "At 0.25x with lm_quick's tuned learning rate (1e-3): the knapsack's map "
+         "against uniform int8 and stock",
+         "python analysis/proof.py --model tiny_llama --out docs/results/proof_tiny_llama_lr1e3 --budgets 0.25 "
+         "--search-trials 0 --uniform-per-budget 1"),
         ("proof_tiny_llama_05/summary.md", "At 0.5x: the knapsack's map against uniform bf16",
          "python analysis/proof.py --model tiny_llama --set optimizer.lr=2e-3 --out docs/results/proof_tiny_llama_05 --budgets 0.5 "
          "--search-trials 0 --uniform-per-budget 1 --menu docs/results/proof_tiny_llama_012/menu/menu.json"),
@@ -327,6 +331,10 @@ FOLDERS = [
     "resnet20 --out docs/results/proof_resnet20_005 --budgets 0.05 --search-trials 0 --uniform-per-budget 1 --menu "
     "docs/results/proof_resnet20/menu/menu.json --seeds 0 1 2 3` | `python analysis/proof_summary.py "
     "docs/results/proof_resnet20_005` |",
+    "| [results/proof_tiny_llama_lr1e3](results/proof_tiny_llama_lr1e3/summary.md) | `python analysis/proof.py --model "
+    "tiny_llama --out docs/results/proof_tiny_llama_lr1e3 --budgets 0.25 --search-trials 0 --uniform-per-budget 1` "
+    "(stock seeds 0-1 shared with the learning-rate sweep) | `python analysis/proof_summary.py "
+    "docs/results/proof_tiny_llama_lr1e3` |",
     "| [results/proof_tiny_llama_05](results/proof_tiny_llama_05/summary.md) | `python analysis/proof.py --model "
     "tiny_llama --set optimizer.lr=2e-3 --out docs/results/proof_tiny_llama_05 --budgets 0.5 --search-trials 0 --uniform-per-budget 1 --menu "
     "docs/results/proof_tiny_llama_012/menu/menu.json` | `python analysis/proof_summary.py docs/results/proof_tiny_llama_05` |",
@@ -429,7 +437,7 @@ def build(args: argparse.Namespace) -> str:
         "## Language model at 0.25x saved bytes: unbiased codes and the menu's map (tiny Llama, 8 paired seeds)",
         "",
         *lm_proof_section(results / "proof_tiny_llama", docs),
-        "## Language model at 0.12x saved bytes, and its criterion check (tiny Llama)",
+        "## Language model: lm_quick at its tuned learning rate, at 0.5x and 0.12x, and the criterion check (tiny Llama)",
         "",
         *lm_budget_section(results, docs),
         "## Vision transformers",
