@@ -75,3 +75,8 @@ def test_search_report_never_picks_a_diverged_trial(tmp_path: Path) -> None:
     assert (tmp_path / "best_map.yaml").read_text() == (tmp_path / "map1.yaml").read_text()
     report = (tmp_path / "report.md").read_text()
     assert "| 0 | knapsack | diverged (epoch 1, step 3) |" in report and "1 diverged (never the best)" in report
+    assert report.index("| 0 | knapsack") < report.index("| 1 | tpe")  # best score first
+    search.direction = "minimize"  # val_ppl: the lowest first
+    write_report(study, search)
+    report = (tmp_path / "report.md").read_text()
+    assert report.index("| 1 | tpe") < report.index("| 0 | knapsack")

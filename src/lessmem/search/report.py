@@ -93,7 +93,8 @@ def _markdown(rows: Sequence[dict[str, Any]], summary: dict[str, Any], search: D
              + (f"the criterion's own map (trial {summary['knapsack']['trial']}): {summary['knapsack']['score']:.4f}."
                 if summary["knapsack"] else "the criterion's own map did not complete."), "",
              "| trial | seed | state | saved ratio | criterion | score | same map as |", "|---|---|---|---:|---:|---:|---|"]
-    for r in sorted(rows, key=lambda r: -(r["score"] if r["score"] is not None else -1)):
+    sign = -1.0 if search.direction == "minimize" else 1.0  # best first, unscored last
+    for r in sorted(rows, key=lambda r: (r["score"] is None, -sign * (r["score"] or 0.0))):
         score = "" if r["score"] is None else f"{r['score']:.4f}"
         state = r["state"] + (f" (epoch {r['pruned_at_epoch']})" if r["pruned_at_epoch"] != "" else "")
         state += f" ({r['diverged_at']})" if r["diverged_at"] else ""
