@@ -238,6 +238,10 @@ def lm_budget_section(results: Path, docs: Path) -> list[str]:
          "against uniform int8 and stock",
          "python analysis/proof.py --model tiny_llama --out docs/results/proof_tiny_llama_lr1e3 --budgets 0.25 "
          "--search-trials 0 --uniform-per-budget 1"),
+        ("proof_tiny_llama_012_lr1e3/summary.md", "At 0.12x with the tuned learning rate (1e-3): the knapsack's map "
+         "against uniform int2 and stock",
+         "python analysis/proof.py --model tiny_llama --out docs/results/proof_tiny_llama_012_lr1e3 --budgets 0.12 "
+         "--search-trials 0 --uniform-per-budget 1 --menu docs/results/proof_tiny_llama_lr1e3/menu/menu.json"),
         ("proof_tiny_llama_05/summary.md", "At 0.5x: the knapsack's map against uniform bf16",
          "python analysis/proof.py --model tiny_llama --set optimizer.lr=2e-3 --out docs/results/proof_tiny_llama_05 --budgets 0.5 "
          "--search-trials 0 --uniform-per-budget 1 --menu docs/results/proof_tiny_llama_012/menu/menu.json"),
@@ -335,6 +339,10 @@ FOLDERS = [
     "tiny_llama --out docs/results/proof_tiny_llama_lr1e3 --budgets 0.25 --search-trials 0 --uniform-per-budget 1` "
     "(stock seeds 0-1 shared with the learning-rate sweep) | `python analysis/proof_summary.py "
     "docs/results/proof_tiny_llama_lr1e3` |",
+    "| [results/proof_tiny_llama_012_lr1e3](results/proof_tiny_llama_012_lr1e3/summary.md) | `python analysis/proof.py "
+    "--model tiny_llama --out docs/results/proof_tiny_llama_012_lr1e3 --budgets 0.12 --search-trials 0 "
+    "--uniform-per-budget 1 --menu docs/results/proof_tiny_llama_lr1e3/menu/menu.json` (stock shared with "
+    "proof_tiny_llama_lr1e3) | `python analysis/proof_summary.py docs/results/proof_tiny_llama_012_lr1e3` |",
     "| [results/proof_tiny_llama_05](results/proof_tiny_llama_05/summary.md) | `python analysis/proof.py --model "
     "tiny_llama --set optimizer.lr=2e-3 --out docs/results/proof_tiny_llama_05 --budgets 0.5 --search-trials 0 --uniform-per-budget 1 --menu "
     "docs/results/proof_tiny_llama_012/menu/menu.json` | `python analysis/proof_summary.py docs/results/proof_tiny_llama_05` |",
