@@ -238,8 +238,7 @@ def markdown(result: dict, layout: dict) -> str:
                   "|---|---:|---|---|---:|---|---:|---:|---:|---|"]
         for r in data["rows"]:
             vs_u = r.get("vs_best_uniform", {})
-            marks = ["†" if str(seed) in r.get("diverged", {}) or seed in r.get("diverged", {}) else ""
-                     for seed in r["seeds"]]
+            marks = ["†" if seed in r.get("diverged", {}) else "" for seed in r["seeds"]]
             lines.append(
                 f"| {r['config']} | {r['ratio']:.3f} | {'yes' if r['fits'] else 'no'} | {len(r['seeds'])} | "
                 f"{r['mean']:.2f} ± {_fmt(r['std'], '.2f')} | "

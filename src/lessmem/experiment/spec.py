@@ -20,7 +20,6 @@ from lessmem.experiment.distributed import DistInfo, broadcast_object, setup_dis
 from lessmem.experiment.paths import open_struct
 from lessmem.experiment.runtime import resolve_device, validate
 from lessmem.experiment.task import Task, task_of
-from lessmem.sensitivity import parse_bytes
 
 
 @dataclass(frozen=True)
@@ -85,8 +84,6 @@ def resolve_run(cfg: DictConfig) -> RunSpec:
     with open_struct(cfg):
         cfg.out_dir = str(out_dir)
     validate(cfg, device)
-    if cfg.get("memory_budget") is not None:
-        parse_bytes(str(cfg.memory_budget))  # a bad size fails here, before any data is read
     choice = resolve_compression(cfg.compression)
     task = task_of(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)

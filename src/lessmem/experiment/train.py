@@ -188,10 +188,10 @@ def train_epoch(state: TrainState, spec: RunSpec, loader: Any, at: Position, sto
     for x, y in bar:
         global_step = at.epoch * steps + at.step
         loss, logits, x, y = train_step(state, spec, x, y)
+        for key, value in task.train_sums(logits, y, loss).items():
+            sums[key] += value
         part = nonfinite_part(loss, state.net.parameters(), not state.scaler.is_enabled(), spec.device)
         if part is not None:  # counted in the epoch's sums (its loss), not applied to the weights
-            for key, value in task.train_sums(logits, y, loss).items():
-                sums[key] += value
             at.partial["diverged"] = divergence_record(part, loss, at.epoch, at.step, global_step)
             if main:
                 log.warning("lessmem: %s", divergence_message(at.partial["diverged"]))
@@ -202,8 +202,6 @@ def train_epoch(state: TrainState, spec: RunSpec, loader: Any, at: Position, sto
         state.scaler.update()
         state.scheduler.step()
         fault_point("train_step")
-        for key, value in task.train_sums(logits, y, loss).items():
-            sums[key] += value
         at.step += 1
         at.partial["seconds"] = time.perf_counter() - start
         lr = state.optimizer.param_groups[0]["lr"]
