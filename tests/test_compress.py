@@ -434,6 +434,37 @@ def test_norm_storage_is_smaller_and_approximate():
         lessmem.compress(model, {"*": 2}, norm_storage="fp8")
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_integer_norm_storage_codes_every_channel_alike(channels_last: bool) -> None:
+    """BatchNorm's integer codes keep the normalized input: channels whose scales span three
+    decades get input gradients of the same small relative error in either layout. Coding x
+    itself, a channels-last code group spans channels and the small channels' gradients are noise."""
+    from lessmem.core.ops.batchnorm import StoredBatchNormFunction, chunked_batch_norm_backward
+    from lessmem.core.storage import pack_tensor, tensor_meta
+
+    torch.manual_seed(0)
+    scales = torch.logspace(-3, 0, 16).view(1, -1, 1, 1)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    x = ((torch.randn(8, 16, 8, 16) + 5) * scales).contiguous(memory_format=layout)
+    w, b = torch.ones(16), torch.zeros(16)
+    stock_in = x.clone().requires_grad_()
+    out = F.batch_norm(stock_in, None, None, w, b, True, 0.1, 1e-5)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+
+    def channel_error(gx: torch.Tensor) -> torch.Tensor:
+        return ((gx - stock_in.grad).square().sum((0, 2, 3)) / stock_in.grad.square().sum((0, 2, 3))).sqrt()
+
+    leaf = x.clone().requires_grad_()
+    StoredBatchNormFunction.apply(leaf, w, b, torch.zeros(16), torch.ones(16), 0.1, 1e-5, "int4").backward(grad)
+    assert channel_error(leaf.grad).max() < 0.05
+    _, mean, invstd = torch.ops.aten.native_batch_norm(x, w, b, None, None, True, 0.1, 1e-5)
+    raw, *_ = chunked_batch_norm_backward(grad.clone(), pack_tensor(x, "int4"), "int4", tensor_meta(x), w,
+                                          mean, invstd, [True] * 3, False)
+    # the same bits spent on x: fine where a group stays in one channel plane, noise across channels
+    assert (channel_error(raw).max() > 1) == channels_last
+
+
 @pytest.mark.parametrize("swapped", [False, True], ids=["matrix-product", "swapped-conv"])
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("size", [8, 12, 9])

@@ -30,11 +30,14 @@ def test_chunked_batch_norm_backward_matches_torch_on_the_decoded_input(
                                       storage)
     weight, mean, invstd, *packed = y.grad_fn.saved_tensors
     grad = torch.randn_like(y)
+    decoded = unpack_tensor(packed, storage, y.grad_fn.meta)
+    assert y.grad_fn.normalized == storage.startswith("int")  # integer codes keep x_hat
+    if y.grad_fn.normalized:
+        decoded = decoded / invstd.view(1, -1, 1, 1) + mean.view(1, -1, 1, 1)
     expected = torch.ops.aten.native_batch_norm_backward(
-        grad, unpack_tensor(packed, storage, y.grad_fn.meta), w, None, None, mean, invstd, True, 1e-5,
-        [True] * 3)
+        grad, decoded, w, None, None, mean, invstd, True, 1e-5, [True] * 3)
     got = chunked_batch_norm_backward(grad.clone(), packed, storage, y.grad_fn.meta, w, mean, invstd,
-                                      [True] * 3, inplace)
+                                      [True] * 3, inplace, y.grad_fn.normalized)
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=2e-5, atol=1e-5)  # float32 sums in another order
 
