@@ -42,6 +42,26 @@ def test_chunked_batch_norm_backward_matches_torch_on_the_decoded_input(
         torch.testing.assert_close(g, e, rtol=2e-5, atol=1e-5)  # float32 sums in another order
 
 
+@pytest.mark.parametrize("storage", ["int8", "int8_rn", "int2"])
+def test_normalized_input_packed_in_slices_equals_one_pack(storage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BatchNorm packs x_hat a slice at a time in forward (no full-size x_hat): the codes are
+    those of packing each ``CHUNK_ELEMENTS`` chunk whole."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 16, 8, 16).contiguous(memory_format=torch.channels_last)
+    mean, invstd = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False).add(1e-5).rsqrt()
+    monkeypatch.setattr(batchnorm, "CHUNK_ELEMENTS", 4 * 16 * 8 * 16)  # chunks of 4 samples: two keys
+    packs = []
+    for slice_samples in (4, 1):
+        monkeypatch.setattr(batchnorm, "PACK_ELEMENTS", slice_samples * 16 * 8 * 16)
+        set_rounding_seed(0)
+        packs.append(batchnorm.pack_normalized(x, mean, invstd, storage))
+    for whole, sliced in zip(*packs, strict=True):
+        assert torch.equal(whole, sliced)
+    decoded = unpack_tensor(packs[0], storage, tensor_meta(x))
+    expected = (x - mean.view(1, -1, 1, 1)) * invstd.view(1, -1, 1, 1)
+    assert (decoded - expected).abs().max() <= packs[0][2].max() * 1.0001  # within one code step of x_hat
+
+
 def stem_model(channels: int = 32) -> nn.Sequential:
     """A wide stem (conv, BatchNorm, ReLU, max-pool) before narrow layers: the stem's backward
     holds the step's largest tensors."""

@@ -145,10 +145,19 @@ def _quantize(x: Tensor, bits: int, stochastic: bool) -> tuple[Tensor, Tensor, T
     return _quantize_groups(x, bits, stochastic)
 
 
-def _quantize_groups(x: Tensor, bits: int, stochastic: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(codes, min, scale) of x's ``bits``-bit storage, rounded stochastically or to nearest."""
+def pack_codes(x: Tensor, storage: Storage, key: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``pack_tensor`` in an integer storage with the noise ``key`` given (eager only): a slice of a
+    larger tensor, at an offset of o elements (o a multiple of ``GROUP``) and packed with that
+    tensor's key + o, gets the codes packing the whole tensor would give it."""
+    return _quantize_groups(x.detach(), BITS[storage], is_stochastic(storage), key & MASK32)
+
+
+def _quantize_groups(x: Tensor, bits: int, stochastic: bool, key: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(codes, min, scale) of x's ``bits``-bit storage, rounded stochastically or to nearest
+    (``key``: the noise key; None draws the next one)."""
     flat = _flat(x, tensor_meta(x).channels_last)
-    key = next_key() if stochastic else 0
+    if key is None:
+        key = next_key() if stochastic else 0
     fused = _fused_group_kernels(flat) if flat.dtype in FUSED_DTYPES else None
     if fused is not None:  # one fused pass, the reference's bits
         return fused.quantize_groups(flat.contiguous(), bits, key, stochastic)

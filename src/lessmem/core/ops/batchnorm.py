@@ -15,10 +15,14 @@ from torch import Tensor, nn
 
 from lessmem.core.ops.dispatch import needs_saving
 from lessmem.core.ops.owned_grad import grad_target, handed_to, owns
+from lessmem.core.rounding import next_key
 from lessmem.core.storage import (
     BITS,
+    GROUP,
     Storage,
     TensorMeta,
+    is_stochastic,
+    pack_codes,
     pack_tensor,
     sliceable,
     tensor_meta,
@@ -28,6 +32,8 @@ from lessmem.core.storage import (
 
 # Elements decoded at a time in the chunked backward: a few MiB, far below a full-size tensor.
 CHUNK_ELEMENTS = 2**21
+# Elements normalized and packed at a time in forward (a sample of resnet18's stem at most).
+PACK_ELEMENTS = 2**18
 
 
 class StoredBatchNormFunction(torch.autograd.Function):
@@ -73,19 +79,36 @@ class StoredBatchNormFunction(torch.autograd.Function):
 
 
 def pack_normalized(x: Tensor, mean: Tensor, invstd: Tensor, storage: Storage) -> tuple[Tensor, ...]:
-    """``pack_tensor`` of (x - mean) * invstd (per channel), normalized and packed a few samples
-    at a time where samples start on a code group, so no full-size x_hat is ever alive."""
+    """(codes, min, scale) of (x - mean) * invstd (per channel) in the integer ``storage``.
+
+    Where samples start on a code group, x_hat is made and packed ``PACK_ELEMENTS`` at a time and
+    copied into place, so neither a full-size x_hat nor a second copy of the codes is alive (this
+    runs in forward, where resnet18's step peaks). The noise is that of packing x_hat
+    ``CHUNK_ELEMENTS`` at a time (one key each), the slices' keys offset to match."""
     chan = (1, -1) + (1,) * (x.dim() - 2)
     mean, invstd = mean.view(chan), invstd.view(chan)  # float32 for half inputs: so is x_hat
 
     def x_hat(part: Tensor) -> Tensor:
         return (part - mean).mul_(invstd)
 
-    if torch.compiler.is_compiling() or x.dim() != 4 or not sliceable(tensor_meta(x), storage):
+    meta = tensor_meta(x)
+    if torch.compiler.is_compiling() or x.dim() != 4 or not sliceable(meta, storage):
         return pack_tensor(x_hat(x), storage)
-    step = max(1, CHUNK_ELEMENTS // max(1, x[0].numel()))
-    parts = [pack_tensor(x_hat(x[s: s + step]), storage) for s in range(0, x.shape[0], step)]
-    return tuple(torch.cat(pieces) for pieces in zip(*parts, strict=True))
+    n, per_sample = x.shape[0], x[0].numel()
+    codes = torch.empty(x.numel() * BITS[storage] // 8, dtype=torch.uint8, device=x.device)
+    lo = torch.empty(x.numel() // GROUP, dtype=torch.float32, device=x.device)
+    scale = torch.empty_like(lo)
+    step = max(1, CHUNK_ELEMENTS // per_sample)
+    slice_step = max(1, PACK_ELEMENTS // per_sample)
+    for s in range(0, n, step):
+        key = next_key() if is_stochastic(storage) else 0
+        for t in range(s, min(n, s + step), slice_step):
+            u = min(n, s + step, t + slice_step)
+            part = pack_codes(x_hat(x[t:u]), storage, key + (t - s) * per_sample)
+            for out, piece in zip((codes, lo, scale), part, strict=True):
+                at = t * (out.numel() // n)
+                out[at: at + piece.numel()].copy_(piece)
+    return codes, lo, scale
 
 
 def chunked_batch_norm_backward(grad: Tensor, packed, storage: Storage, meta: TensorMeta, weight: Tensor,
