@@ -228,6 +228,10 @@ def budget_section(results: Path, docs: Path) -> list[str]:
          "uniform 2x2 int1 + int1 BatchNorm", "python analysis/proof.py --model resnet20 --out docs/results/proof_resnet20_005 "
          "--budgets 0.05 --search-trials 0 --uniform-per-budget 1 --menu docs/results/proof_resnet20/menu/menu.json "
          "--seeds 0 1 2 3"),
+        ("proof_resnet20_xhat/summary.md", "At 0.08x with BatchNorm's integer codes of the normalized input (b43f399): "
+         "the knapsack's map of a menu measured with them, uniform int1 + int2 BatchNorm, and int2 + int2 BatchNorm "
+         "(0.094x, over the budget)", "python analysis/proof.py --model resnet20 --out docs/results/proof_resnet20_xhat "
+         "--budgets 0.08 --search-trials 0 --uniform-per-budget 1 --criterion tensor_error --configs 'chosen_*' int1_bn2"),
     ))
 
 
@@ -335,6 +339,10 @@ FOLDERS = [
     "resnet20 --out docs/results/proof_resnet20_005 --budgets 0.05 --search-trials 0 --uniform-per-budget 1 --menu "
     "docs/results/proof_resnet20/menu/menu.json --seeds 0 1 2 3` | `python analysis/proof_summary.py "
     "docs/results/proof_resnet20_005` |",
+    "| [results/proof_resnet20_xhat](results/proof_resnet20_xhat/summary.md) | `python analysis/proof.py --model "
+    "resnet20 --out docs/results/proof_resnet20_xhat --budgets 0.08 --search-trials 0 --uniform-per-budget 1 "
+    "--criterion tensor_error --configs 'chosen_*' int1_bn2` (stock shared with proof_resnet20; `int2_bn2` by its map "
+    "file on the same schedule) | `python analysis/proof_summary.py docs/results/proof_resnet20_xhat` |",
     "| [results/proof_tiny_llama_lr1e3](results/proof_tiny_llama_lr1e3/summary.md) | `python analysis/proof.py --model "
     "tiny_llama --out docs/results/proof_tiny_llama_lr1e3 --budgets 0.25 --search-trials 0 --uniform-per-budget 1` "
     "(stock seeds 0-1 shared with the learning-rate sweep) | `python analysis/proof_summary.py "
