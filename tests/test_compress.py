@@ -16,6 +16,8 @@ from torch.utils.checkpoint import checkpoint
 
 import lessmem
 from lessmem.core import compressed_layers
+from lessmem.core.ops.batchnorm import StoredBatchNormFunction, chunked_batch_norm_backward
+from lessmem.core.storage import pack_tensor, tensor_meta
 from lessmem.models import MODELS, build_model
 
 
@@ -439,9 +441,6 @@ def test_integer_norm_storage_codes_every_channel_alike(channels_last: bool) -> 
     """BatchNorm's integer codes keep the normalized input: channels whose scales span three
     decades get input gradients of the same small relative error in either layout. Coding x
     itself, a channels-last code group spans channels and the small channels' gradients are noise."""
-    from lessmem.core.ops.batchnorm import StoredBatchNormFunction, chunked_batch_norm_backward
-    from lessmem.core.storage import pack_tensor, tensor_meta
-
     torch.manual_seed(0)
     scales = torch.logspace(-3, 0, 16).view(1, -1, 1, 1)
     layout = torch.channels_last if channels_last else torch.contiguous_format

@@ -13,7 +13,7 @@ from lessmem.core.ops import batchnorm, conv, masked_activations, recompute
 from lessmem.core.ops.batchnorm import StoredBatchNormFunction, chunked_batch_norm_backward
 from lessmem.core.ops.conv import chunked_weight_grad, conv_grads, input_grad
 from lessmem.core.rounding import set_rounding_seed
-from lessmem.core.storage import tensor_meta, unpack_tensor
+from lessmem.core.storage import pack_tensor, tensor_meta, unpack_tensor
 
 
 @pytest.mark.parametrize("storage", ["native", "bf16", "bf16_rn", "int8", "int8_rn", "int4", "int2"])
@@ -45,20 +45,19 @@ def test_chunked_batch_norm_backward_matches_torch_on_the_decoded_input(
 @pytest.mark.parametrize("storage", ["int8", "int8_rn", "int2"])
 def test_normalized_input_packed_in_slices_equals_one_pack(storage: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """BatchNorm packs x_hat a slice at a time in forward (no full-size x_hat): the codes are
-    those of packing each ``CHUNK_ELEMENTS`` chunk whole."""
+    those of packing x_hat whole."""
     torch.manual_seed(0)
     x = torch.randn(6, 16, 8, 16).contiguous(memory_format=torch.channels_last)
     mean, invstd = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False).add(1e-5).rsqrt()
-    monkeypatch.setattr(batchnorm, "CHUNK_ELEMENTS", 4 * 16 * 8 * 16)  # chunks of 4 samples: two keys
-    packs = []
-    for slice_samples in (4, 1):
-        monkeypatch.setattr(batchnorm, "PACK_ELEMENTS", slice_samples * 16 * 8 * 16)
-        set_rounding_seed(0)
-        packs.append(batchnorm.pack_normalized(x, mean, invstd, storage))
+    expected = (x - mean.view(1, -1, 1, 1)) * invstd.view(1, -1, 1, 1)
+    set_rounding_seed(0)
+    packs = [pack_tensor(expected, storage)]
+    monkeypatch.setattr(batchnorm, "PACK_ELEMENTS", 4 * 16 * 8 * 16)  # slices of 4 samples, then 2
+    set_rounding_seed(0)
+    packs.append(batchnorm.pack_normalized(x, mean, invstd, storage))
     for whole, sliced in zip(*packs, strict=True):
         assert torch.equal(whole, sliced)
     decoded = unpack_tensor(packs[0], storage, tensor_meta(x))
-    expected = (x - mean.view(1, -1, 1, 1)) * invstd.view(1, -1, 1, 1)
     assert (decoded - expected).abs().max() <= packs[0][2].max() * 1.0001  # within one code step of x_hat
 
 

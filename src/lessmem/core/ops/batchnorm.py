@@ -83,31 +83,27 @@ def pack_normalized(x: Tensor, mean: Tensor, invstd: Tensor, storage: Storage) -
 
     Where samples start on a code group, x_hat is made and packed ``PACK_ELEMENTS`` at a time and
     copied into place, so neither a full-size x_hat nor a second copy of the codes is alive (this
-    runs in forward, where resnet18's step peaks). The noise is that of packing x_hat
-    ``CHUNK_ELEMENTS`` at a time (one key each), the slices' keys offset to match."""
+    runs in forward, where resnet18's step peaks); each slice's noise key is the tensor's plus its
+    offset, so the codes are those of packing x_hat whole."""
     chan = (1, -1) + (1,) * (x.dim() - 2)
     mean, invstd = mean.view(chan), invstd.view(chan)  # float32 for half inputs: so is x_hat
 
     def x_hat(part: Tensor) -> Tensor:
         return (part - mean).mul_(invstd)
 
-    meta = tensor_meta(x)
-    if torch.compiler.is_compiling() or x.dim() != 4 or not sliceable(meta, storage):
+    if torch.compiler.is_compiling() or x.dim() != 4 or not sliceable(tensor_meta(x), storage):
         return pack_tensor(x_hat(x), storage)
     n, per_sample = x.shape[0], x[0].numel()
     codes = torch.empty(x.numel() * BITS[storage] // 8, dtype=torch.uint8, device=x.device)
     lo = torch.empty(x.numel() // GROUP, dtype=torch.float32, device=x.device)
     scale = torch.empty_like(lo)
-    step = max(1, CHUNK_ELEMENTS // per_sample)
-    slice_step = max(1, PACK_ELEMENTS // per_sample)
+    key = next_key() if is_stochastic(storage) else 0
+    step = max(1, PACK_ELEMENTS // per_sample)
     for s in range(0, n, step):
-        key = next_key() if is_stochastic(storage) else 0
-        for t in range(s, min(n, s + step), slice_step):
-            u = min(n, s + step, t + slice_step)
-            part = pack_codes(x_hat(x[t:u]), storage, key + (t - s) * per_sample)
-            for out, piece in zip((codes, lo, scale), part, strict=True):
-                at = t * (out.numel() // n)
-                out[at: at + piece.numel()].copy_(piece)
+        part = pack_codes(x_hat(x[s: s + step]), storage, key + s * per_sample)
+        for out, piece in zip((codes, lo, scale), part, strict=True):
+            at = s * (out.numel() // n)
+            out[at: at + piece.numel()].copy_(piece)
     return codes, lo, scale
 
 
