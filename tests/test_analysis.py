@@ -124,6 +124,24 @@ def test_kernel_summary() -> None:
     assert R.kernel_summary({}) == "none"
 
 
+def test_menu_maps_narrowed_menus(tmp_path: Path) -> None:
+    """menu_maps.py's narrowed menus keep only their options: the unpooled menu's map pools no
+    conv input, the kernel-only one codes none; both fit the budget the published menu predicts."""
+    from lessmem.sensitivity import MenuResult, read_map_yaml
+
+    menu = REPO / "docs/results/proof_resnet20_xhat/menu/menu.json"
+    script("menu_maps").main([str(menu), "--out", str(tmp_path), "--maps", "grad_error:0.08:unpooled",
+                              "grad_error:0.6:kernels"])
+    result = MenuResult.load(menu)
+    conv, norm, _, _ = read_map_yaml(tmp_path / "grad_error_0.08_unpooled.yaml")
+    assert all(str(o) == "1" or not str(o)[0].isdigit() for o in conv.values())
+    assert any(str(o).startswith("int") for o in conv.values())
+    assert result.score(conv, norm)["ratio"] <= 0.08
+    conv, norm, _, _ = read_map_yaml(tmp_path / "grad_error_0.6_kernels.yaml")
+    assert all(str(o).isdigit() for o in conv.values()) and norm == "native"
+    assert result.score(conv, norm)["ratio"] <= 0.6
+
+
 def test_pareto_front_on_any_columns() -> None:
     """The one front for runs and search trials: least memory per accuracy, one row per point,
     the first of equal rows, rows without finite values left out."""
