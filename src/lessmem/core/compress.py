@@ -20,7 +20,7 @@ from lessmem.core.ops.registry import (
     stored_activation_of,
 )
 from lessmem.core.saved_storage import attach, detach
-from lessmem.core.spec import CompressionPlan, LayerSpec
+from lessmem.core.spec import FROM_NORM, CompressionPlan, LayerSpec
 from lessmem.core.storage import check_storage
 
 
@@ -43,7 +43,9 @@ def compress(
 
     mapping: ordered ``{fnmatch pattern on named_modules() names: kernel}``; kernel is ``k``,
         ``[kh, kw]`` or ``{"kernel": k, "storage": "bf16"|"int8"}``. ``1`` keeps the stock layer
-        (bit-identical). Conv2d inputs are pooled k×k; Linear inputs (..., tokens, features) are
+        (bit-identical). ``"from_bn"`` (Conv2d only): the input is not kept but rebuilt in backward
+        from the BatchNorm code (``norm_storage``) and ReLU mask right before the conv (``ops.rebuilt_input``).
+        Conv2d inputs are pooled k×k; Linear inputs (..., tokens, features) are
         pooled over k tokens (nn.Linear subclasses that keep Linear's forward, timm's Linear and HF
         GPT-2's Conv1D too). Layers reading one tensor share its pooled copy; a Linear whose input
         its producing op saves anyway (attention's output) keeps a reference to it instead.
@@ -73,6 +75,11 @@ def compress(
         if spec.exact:
             continue
         compressed = compressed_class_of(module)
+        if spec.storage == FROM_NORM and (compressed is not CompressedConv2d or not exact_companions):
+            raise ValueError(
+                f"layer {name!r} is {type(module).__name__}: {FROM_NORM!r} rebuilds a conv's input from the "
+                "BatchNorm and ReLU before it" + ("" if compressed is not CompressedConv2d else
+                                                   ", which needs exact_companions (the ReLU's 1-bit mask)"))
         if spec.kernel[0] != spec.kernel[1] and compressed is not CompressedConv2d:
             raise ValueError(
                 f"layer {name!r} is {type(module).__name__}: it pools tokens, give one size, "

@@ -32,6 +32,8 @@ _OURS = {
     "SlicedGatedMLPFunctionBackward": (True, "packed per token slice, recomputed in backward",
                                        "gated MLP input and down-projection input"),
 }
+# Nodes that save only tensors other lessmem nodes keep (``ops.rebuilt_input``): never their owner.
+_BORROWERS = {"RebuiltInputConv2dFunctionBackward"}
 _STOCK = {
     "ConvolutionBackward": "conv input: layer not compressed (k=1 or not in the map)",
     "NativeBatchNormBackward": "BatchNorm input: exact backward needs it",
@@ -146,7 +148,9 @@ def _saved_by_op(output: Tensor) -> dict[tuple[str, int], str]:
         seen.add(node)
         name = node.name().split("::")[-1]
         tensors: list[Tensor] = []
-        if hasattr(node, "saved_tensors") and not name[-1].isdigit():  # custom Function
+        if name in _BORROWERS:  # holds other nodes' tensors (a from_bn conv): theirs to name
+            tensors = []
+        elif hasattr(node, "saved_tensors") and not name[-1].isdigit():  # custom Function
             tensors = list(node.saved_tensors)
         else:
             for attr in dir(node):

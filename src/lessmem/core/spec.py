@@ -7,17 +7,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from lessmem.core.storage import STORAGES, Storage, check_storage
+
+# A conv keeping nothing of its input: backward rebuilds it from the BatchNorm code and ReLU mask
+# before it (``ops.rebuilt_input``). Kernel 1, conv layers only.
+FROM_NORM = "from_bn"
 
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """What a compressible layer keeps for backward: a pooling kernel and a storage format."""
+    """What a compressible layer keeps for backward: a pooling kernel and a storage format (or
+    ``FROM_NORM``: nothing, rebuilt from the layers before it)."""
 
     kernel: tuple[int, int]
-    storage: Storage = "native"
+    storage: Storage | Literal["from_bn"] = "native"
 
     @property
     def exact(self) -> bool:
@@ -30,7 +35,7 @@ class LayerSpec:
 
 def parse_spec(pattern: str, value: Any) -> LayerSpec:
     """``2`` | ``[2, 4]`` | ``{"kernel": 2, "storage": "int4"}`` | ``"2/int4"`` | ``"2x4/int4"`` |
-    ``"int4"`` (kernel 1) -> LayerSpec, or a clear error."""
+    ``"int4"`` (kernel 1) | ``"from_bn"`` -> LayerSpec, or a clear error."""
     storage = "native"
     if isinstance(value, str):
         value = _parse_text(pattern, value)
@@ -41,8 +46,14 @@ def parse_spec(pattern: str, value: Any) -> LayerSpec:
                 f"compression pattern {pattern!r}: a mapping value needs 'kernel' (and optionally "
                 f"'storage'), got keys {sorted(value)}"
             )
-        storage = check_storage(str(value.get("storage", "native")))
+        storage = str(value.get("storage", "native"))
         value = value["kernel"]
+        if storage == FROM_NORM:
+            if value not in (1, [1, 1], (1, 1)):
+                raise ValueError(f"compression pattern {pattern!r}: {FROM_NORM!r} keeps nothing to pool; "
+                                 f"its kernel is 1, got {value!r}")
+            return LayerSpec((1, 1), FROM_NORM)
+        storage = check_storage(storage)
     if isinstance(value, (list, tuple)) or _is_sequence_config(value):
         items = list(value)
         if len(items) != 2:
@@ -72,12 +83,14 @@ def _parse_text(pattern: str, text: str) -> dict[str, Any]:
             f"compression pattern {pattern!r}: cannot read {text!r}; write k, 'k/storage', "
             f"'khxkw/storage' or a storage alone (storages: {', '.join(STORAGES)})"
         ) from None
+    if storage == FROM_NORM:
+        return {"kernel": sizes[0] if len(sizes) == 1 else sizes, "storage": storage}
     if storage not in STORAGES and not kernel_text:
         raise ValueError(f"compression pattern {pattern!r}: {text!r} is neither a kernel size (an integer) "
                          f"nor a storage ({', '.join(STORAGES)})")
     if storage not in STORAGES:
         raise ValueError(f"compression pattern {pattern!r}: unknown storage {storage!r} in {text!r}; "
-                         f"choose one of {', '.join(STORAGES)}")
+                         f"choose one of {', '.join(STORAGES)} (or {FROM_NORM!r} alone for a conv)")
     return {"kernel": sizes[0] if len(sizes) == 1 else sizes, "storage": storage}
 
 

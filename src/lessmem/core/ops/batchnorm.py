@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from lessmem.core.ops.dispatch import needs_saving
+from lessmem.core.ops.input_notes import NormCode, note, refs
 from lessmem.core.ops.owned_grad import grad_target, handed_to, owns
 from lessmem.core.rounding import next_key
 from lessmem.core.storage import (
@@ -58,6 +59,8 @@ class StoredBatchNormFunction(torch.autograd.Function):
         ctx.save_for_backward(weight, mean, invstd, *packed)
         ctx.eps, ctx.storage, ctx.meta = eps, storage, tensor_meta(x)
         ctx.grad_target = grad_target(x)
+        # for a conv reading ReLU(out) with storage from_bn (``rebuilt_input``)
+        ctx.code = NormCode(refs(*packed), storage, ctx.meta, ctx.normalized, *refs(mean, invstd), weight, bias)
         return out
 
     @staticmethod
@@ -174,7 +177,9 @@ class StoredBatchNorm2d(nn.BatchNorm2d):
         if torch.is_autocast_enabled(device):
             x_in = x.float()  # autocast runs batch norm in fp32
         with torch.autocast(device, enabled=False):
-            return StoredBatchNormFunction.apply(
+            out = StoredBatchNormFunction.apply(
                 x_in, self.weight, self.bias, self.running_mean, self.running_var,
                 momentum, self.eps, self.lessmem_storage,
             )
+        note(out, out.grad_fn.code)
+        return out

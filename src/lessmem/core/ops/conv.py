@@ -24,7 +24,8 @@ from lessmem.core.ops.pooling import (
     save_pooled_input,
     saved_pooled_input,
 )
-from lessmem.core.spec import LayerSpec
+from lessmem.core.ops.rebuilt_input import claim, rebuilt_samples
+from lessmem.core.spec import FROM_NORM, LayerSpec
 from lessmem.core.storage import sliceable, unpack_samples
 
 # Output-gradient elements from which a layer with no input gradient takes its weight gradient in
@@ -58,6 +59,34 @@ class PooledConv2dFunction(torch.autograd.Function):
         gx, gw, gb = pooled_conv_grads(grad_out, pooled, shape, weight, ctx.has_bias, *ctx.conv,
                                        ctx.kernel, needs)
         return handed_to(gx, ctx.grad_target), gw, gb, None, None, None, None, None, None
+
+
+class RebuiltInputConv2dFunction(torch.autograd.Function):
+    """conv2d that keeps nothing of its input: backward rebuilds it from the BatchNorm code and
+    ReLU mask before it (``rebuilt_input``, saved here by reference: no bytes of its own), a
+    batch slice at a time, for the weight gradient. The input gradient reads only the weight."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, found):
+        out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+        ctx.source, saved = found  # ``claim``'s: the note and the tensors it names
+        ctx.save_for_backward(weight, *saved)
+        ctx.conv, ctx.x_shape, ctx.has_bias = (stride, padding, dilation, groups), tuple(x.shape), bias is not None
+        ctx.grad_target = grad_target(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight, *saved = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.conv
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gw = chunked_weight_grad(
+                grad_out, lambda s, e: rebuilt_samples(ctx.source, saved, ctx.x_shape, s, e).to(grad_out.dtype),
+                weight, stride, padding, dilation, groups)
+        gx = input_grad(grad_out, weight, ctx.x_shape, stride, padding, dilation, groups) if ctx.needs_input_grad[0] else None
+        gb = grad_out.sum((0, 2, 3)) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return handed_to(gx, ctx.grad_target), gw, gb, None, None, None, None, None
 
 
 def sliced_weight_grad_takes(ctx) -> bool:
@@ -208,6 +237,8 @@ class CompressedConv2d(nn.Conv2d):
     def forward(self, x: Tensor) -> Tensor:
         if not needs_saving(x, self):
             return super().forward(x)
+        if self.lessmem_spec.storage == FROM_NORM:
+            return self._rebuilt_input_forward(x)
         padding = self.padding
         if self.padding_mode != "zeros":
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
@@ -228,6 +259,16 @@ class CompressedConv2d(nn.Conv2d):
             )
         with torch.autocast(x.device.type, enabled=False):
             return PooledConv2dFunction.apply(*args)
+
+    def _rebuilt_input_forward(self, x: Tensor) -> Tensor:
+        name, padding = getattr(self, "lessmem_name", type(self).__name__), self.padding
+        if self.padding_mode != "zeros" or isinstance(padding, str) and padding != "valid":
+            raise ValueError(f"layer {name!r}: storage {FROM_NORM!r} takes integer (or 'valid') zero padding only")
+        found = claim(x, name)  # on x itself: autocast's cast below is another tensor
+        x, w, b = autocast_cast(x, self.weight, self.bias)
+        with torch.autocast(x.device.type, enabled=False):
+            return RebuiltInputConv2dFunction.apply(x, w, b, self.stride, (0, 0) if padding == "valid" else padding,
+                                                    self.dilation, self.groups, found)
 
 
 def _explicit_padding(x: Tensor, mode: str, kernel, dilation) -> tuple[Tensor, tuple[int, int]]:

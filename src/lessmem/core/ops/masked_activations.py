@@ -11,6 +11,7 @@ from lessmem.core.kernels import cpu as cpu_kernels
 from lessmem.core.kernels import triton as triton_kernels
 from lessmem.core.layout import is_channels_last, is_dense
 from lessmem.core.ops.dispatch import needs_saving
+from lessmem.core.ops.input_notes import NormCode, ReluOfNorm, note, noted, refs
 from lessmem.core.ops.owned_grad import grad_target, handed_to, owns
 
 # 8 flags (bytes 0/1) in one int64 word -> one byte: multiplying by this constant moves byte i's
@@ -91,6 +92,7 @@ class MaskedActivationFunction(torch.autograd.Function):
         ctx.grad_target = grad_target(x)
         y, bits, ctx.channels_last = clamp_and_pack(x, lo, hi, inplace)
         ctx.save_for_backward(bits)
+        ctx.bits = refs(bits)[0]  # for a conv rebuilding its input from this mask (``rebuilt_input``)
         return y
 
     @staticmethod
@@ -112,12 +114,17 @@ def _masked_activation(x: Tensor, lo: float, hi: float | None, inplace: bool) ->
 
 
 class PackedReLU(nn.ReLU):
-    """ReLU that keeps a 1-bit mask for backward instead of its full-size output."""
+    """ReLU that keeps a 1-bit mask for backward instead of its full-size output. Of a lessmem
+    BatchNorm's output it notes its mask with the BatchNorm's code on its own output (``input_notes``)."""
 
     def forward(self, x: Tensor) -> Tensor:
         if not needs_saving(x, self):
             return super().forward(x)
-        return _masked_activation(x, 0.0, None, self.inplace)
+        norm = noted(x, NormCode)  # before an in-place ReLU moves x's version on
+        y = _masked_activation(x, 0.0, None, self.inplace)
+        if norm is not None:  # eager: y.grad_fn is the MaskedActivationFunction's node
+            note(y, ReluOfNorm(norm, y.grad_fn.bits, y.grad_fn.channels_last))
+        return y
 
 
 class PackedHardtanh(nn.Hardtanh):

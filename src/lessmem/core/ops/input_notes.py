@@ -1,0 +1,66 @@
+"""Notes that lessmem layers leave on the tensors they return, so that a later layer knows what an
+earlier one already keeps for backward: a BatchNorm notes the code of its input, a ReLU reading
+that output unchanged notes it with its own 1-bit mask, and a conv whose map says ``from_bn``
+rebuilds its input from both instead of keeping one more copy (``rebuilt_input``).
+
+A note holds for the tensor it was left on and only while that tensor is unchanged (same object,
+same version counter: an in-place op between two layers voids it). Its tensors are weak
+references: a note never keeps a code alive; the node that reads one saves it like any other."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from lessmem.core.storage import Storage, TensorMeta
+
+
+@dataclass(frozen=True)
+class NormCode:
+    """What a training-mode BatchNorm keeps: its input's code (x_hat for integer codes, x for
+    bf16), the batch statistics, and its affine parameters."""
+
+    packed: tuple[weakref.ref, ...]
+    storage: Storage
+    meta: TensorMeta
+    normalized: bool  # packed holds x_hat = (x - mean) * invstd, not x
+    mean: weakref.ref
+    invstd: weakref.ref
+    weight: Tensor
+    bias: Tensor
+
+
+@dataclass(frozen=True)
+class ReluOfNorm:
+    """ReLU(BatchNorm(x)): the BatchNorm's code and the ReLU's pass mask (``pack_bits`` layout)."""
+
+    norm: NormCode
+    bits: weakref.ref
+    channels_last: bool
+
+
+_notes: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def note(t: Tensor, what: NormCode | ReluOfNorm) -> None:
+    """Leave ``what`` on ``t`` (eager only: a compiled graph has no tensor objects to note)."""
+    if not torch.compiler.is_compiling():
+        _notes[t] = (t._version, what)
+
+
+def noted(t: Tensor, kind: type):
+    """The note of ``kind`` left on ``t``, or None (none left, another kind, or ``t`` changed since)."""
+    if torch.compiler.is_compiling():
+        return None
+    entry = _notes.get(t)
+    if entry is None or entry[0] != t._version or not isinstance(entry[1], kind):
+        return None
+    return entry[1]
+
+
+def refs(*tensors: Tensor) -> tuple[weakref.ref, ...]:
+    return tuple(weakref.ref(t) for t in tensors)

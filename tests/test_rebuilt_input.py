@@ -1,0 +1,161 @@
+"""``from_bn``: a conv input rebuilt in backward from the BatchNorm code and ReLU mask before it.
+
+Against a reference conv whose input is mask * (gamma * decoded BatchNorm code + beta), the
+weight gradient is the same bits; forward and input gradient are stock's; the conv keeps no
+bytes of its own (independent saved-tensor count); misuse fails with a message naming the layer."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lessmem.core import compress, measure_memory
+from lessmem.core.rounding import load_rounding_state, rounding_state
+from lessmem.core.spec import parse_spec
+from lessmem.core.storage import unpack_tensor
+from lessmem.models.registry import build_model
+
+
+def block(inplace: bool = True, channels: int = 16, stride: int = 2) -> nn.Sequential:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(inplace=inplace),
+                        nn.Conv2d(channels, 8, 3, padding=1, stride=stride))
+    with torch.no_grad():  # a trained BatchNorm's spread of scales and shifts, some negative
+        net[1].weight.uniform_(-1.5, 1.5)
+        net[1].bias.uniform_(-0.5, 0.5)
+    return net
+
+
+def reference_input(model: nn.Sequential, x: torch.Tensor, storage: str) -> torch.Tensor:
+    """What from_bn must rebuild: the ReLU's mask times gamma * (the BatchNorm's decoded code) + beta."""
+    node = model[1](model[0](x)).grad_fn  # one more forward: same batch, same statistics, fresh codes
+    weight, mean, invstd, *packed = node.saved_tensors
+    decoded = unpack_tensor(packed, storage, node.meta).float()
+    chan = (1, -1, 1, 1)
+    x_hat = decoded if node.normalized else (decoded - mean.view(chan)) * invstd.view(chan)
+    z = x_hat * weight.view(chan) + model[1].bias.view(chan)
+    exact = F.batch_norm(model[0](x), None, None, weight, model[1].bias, True, 0.0, model[1].eps)
+    return ((exact > 0) * z).detach()
+
+
+@pytest.mark.parametrize("storage", ["int2", "int8", "bf16"])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("inplace", [True, False])
+# per sample: code groups and mask bytes aligned (2304), mask bytes only (400), neither (63)
+@pytest.mark.parametrize(("channels", "height"), [(16, 12), (16, 5), (7, 3)])
+def test_weight_grad_from_the_rebuilt_input(storage: str, channels_last: bool, inplace: bool, channels: int,
+                                            height: int) -> None:
+    stock = block(inplace, channels)
+    x = torch.randn(5, 3, height, height)
+    if channels_last:
+        x, stock = x.contiguous(memory_format=torch.channels_last), stock.to(memory_format=torch.channels_last)
+    model = compress(copy.deepcopy(stock), {"3": "from_bn"}, norm_storage=storage)
+    noise = rounding_state()
+    kept = {}
+
+    def keep(module, inputs, output) -> None:
+        output.retain_grad()
+        kept["y"] = output
+
+    model[2].register_forward_hook(keep)
+    out = model(x.clone().requires_grad_(True))
+    g = torch.randn_like(out)
+    out.backward(g)
+
+    load_rounding_state(noise)  # the BatchNorm's codes again: same batch, same noise
+    conv = copy.deepcopy(stock[3])
+    conv.load_state_dict(model[3].state_dict())
+    conv(reference_input(model, x, storage)).backward(g)
+    assert torch.equal(model[3].weight.grad, conv.weight.grad)
+    assert torch.allclose(model[3].bias.grad, conv.bias.grad, rtol=1e-5, atol=1e-5)
+
+    y = stock[2](stock[1](stock[0](x))).detach().requires_grad_(True)
+    stock_out = stock[3](y)
+    stock_out.backward(g)
+    assert torch.equal(out, stock_out)  # forward is stock's
+    assert torch.equal(kept["y"].grad, y.grad)  # and so is the input gradient
+
+
+def test_the_conv_keeps_no_bytes_of_its_own() -> None:
+    """Saved bytes (independent count over storages): exactly the int2 map's less the codes of
+    the convs whose inputs are rebuilt; none of them is charged a byte."""
+    rebuilt = [f"layer{s}.{b}.conv2" for s in (1, 2, 3) for b in range(3)] + ["layer1.0.conv1"]
+    x = torch.randn(4, 3, 32, 32)
+    own = measure_memory(compress(build_model("resnet20", 10).train(), {"*": "int2"}, norm_storage="int2"), x)
+    model = compress(build_model("resnet20", 10).train(), {**dict.fromkeys(rebuilt, "from_bn"), "*": "int2"},
+                     norm_storage="int2")
+    derived = measure_memory(model, x)
+    assert derived.total_bytes == own.total_bytes - sum(own.per_layer[name] for name in rebuilt)
+    assert not any(derived.per_layer.get(name) for name in rebuilt)
+    assert derived.total_bytes < 0.8 * own.total_bytes
+
+
+def test_torchvision_blocks_reuse_one_relu_module() -> None:
+    """torchvision's BasicBlock calls one ReLU module twice: the note is per tensor, so conv2
+    (after bn1 -> relu) rebuilds while the block's second call feeds a ReLU-after-addition."""
+    model = compress(build_model("resnet18", 10).train(), {"layer*.conv2": "from_bn", "*": "int4"}, norm_storage="int4")
+    x = torch.randn(2, 3, 32, 32)
+    model(x).sum().backward()
+    grads = [p.grad for n, p in model.named_parameters() if n.endswith("conv2.weight")]
+    assert len(grads) == 8 and all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_notes_keep_nothing_alive() -> None:
+    """A note holds weak references: once backward has freed the BatchNorm's and ReLU's codes, the
+    note on a ReLU output the caller still holds names nothing."""
+    from lessmem.core.ops.input_notes import ReluOfNorm, noted
+
+    model = compress(block(), {"3": "from_bn"}, norm_storage="int4")
+    y = model[2](model[1](model[0](torch.randn(4, 3, 8, 8))))
+    source = noted(y, ReluOfNorm)
+    assert source is not None and source.bits() is not None and all(r() is not None for r in source.norm.packed)
+    model[3](y).sum().backward()
+    assert source.bits() is None and all(r() is None for r in source.norm.packed)
+
+
+class Tampered(nn.Module):
+    """BatchNorm -> ReLU -> an in-place change -> conv: the input is no longer what the ReLU noted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn, self.relu, self.conv = nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.relu(self.bn(x)).mul_(2.0))
+
+
+@pytest.mark.parametrize(("model", "mapping", "norm_storage", "match"), [
+    (lambda: block(), {"3": "from_bn"}, "native", "layer '3'.*lossy norm_storage"),
+    (lambda: block(), {"0": "from_bn"}, "int2", "layer '0'"),
+    (Tampered, {"conv": "from_bn"}, "int2", "layer 'conv'.*unchanged"),
+])
+def test_misuse_names_the_layer(model, mapping, norm_storage: str, match: str) -> None:
+    net = compress(model(), mapping, norm_storage=norm_storage)
+    with pytest.raises(ValueError, match=match):
+        net(torch.randn(2, 3 if isinstance(net, nn.Sequential) else 4, 8, 8))
+
+
+def test_from_bn_is_a_conv_kernel_1_option() -> None:
+    assert str(parse_spec("c", "from_bn")) == "1x1/from_bn"
+    assert parse_spec("c", {"kernel": 1, "storage": "from_bn"}) == parse_spec("c", "1/from_bn")
+    for bad in ("2/from_bn", {"kernel": 2, "storage": "from_bn"}):
+        with pytest.raises(ValueError, match="kernel is 1"):
+            parse_spec("c", bad)
+    with pytest.raises(ValueError, match="layer '0' is Linear"):
+        compress(nn.Sequential(nn.Linear(4, 4)), {"0": "from_bn"})
+    with pytest.raises(ValueError, match="exact_companions"):
+        compress(block(), {"3": "from_bn"}, norm_storage="int2", exact_companions=False)
+
+
+def test_coverage_names_the_codes_by_their_keepers() -> None:
+    from lessmem.core import coverage
+
+    report = coverage(compress(block(), {"3": "from_bn"}, norm_storage="int2"), torch.randn(2, 3, 16, 16),
+                      compare_stock=False)
+    ops = {row.op for row in report.rows}
+    assert "StoredBatchNormFunctionBackward" in ops and "MaskedActivationFunctionBackward" in ops
+    assert not any("RebuiltInput" in op for op in ops)
