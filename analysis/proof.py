@@ -9,7 +9,7 @@ same seeds (issue 31). For a model preset (``--model resnet20`` on the issue-12 
    the best map of an Optuna menu search at that budget (``search_<budget>``: a ``lessmem-search``
    job of ``sweeps/<preset sweep>.yaml`` run here first; ``--search-trials 0``: none), the uniform
    options that fit it (the ``--uniform-per-budget`` spending most of it, their bytes exactly as
-   the menu predicts), and stock;
+   the menu predicts), the ``--map-files`` (hand maps, e.g. a compression preset), and stock;
 3. every configuration trained on ``--seeds`` (8 paired seeds by default), two jobs at a time with
    one thread each; a finished run is skipped, an interrupted one resumes;
 4. ``<out>/proof.json`` (the layout ``analysis/proof_summary.py`` reads) and the summary.
@@ -39,7 +39,14 @@ from pathlib import Path
 from jobs import REPO, Job, schedule, train_job
 from repo_paths import relative_to_repo
 
-from lessmem.sensitivity import CRITERIA, DEFAULT_CRITERION, MapChoice, MenuResult, write_map_yaml
+from lessmem.sensitivity import (
+    CRITERIA,
+    DEFAULT_CRITERION,
+    MapChoice,
+    MenuResult,
+    read_map_yaml,
+    write_map_yaml,
+)
 
 
 @dataclass
@@ -107,6 +114,19 @@ def write_map(out: Path, name: str, choice: MapChoice, note: str) -> Path:
                        saved_storage=choice.saved_storage,
                        comment=f"{note}; predicted saved bytes {choice.score['ratio']:.4f}x stock")
     return path
+
+
+def copy_map(out: Path, path: Path) -> str:
+    """``path`` into ``out/maps`` as ``<stem>.yaml`` (a different file there under that name is an
+    error, not overwritten); returns the config name."""
+    if not path.is_file():
+        raise SystemExit(f"--map-files: no file {path}")
+    read_map_yaml(path)  # a clear error now, not in every run
+    target = out / "maps" / f"{path.stem}.yaml"
+    if target.exists() and target.read_text() != path.read_text():
+        raise SystemExit(f"--map-files: {target} exists and differs from {path}")
+    target.write_text(path.read_text())
+    return path.stem
 
 
 def uniform_choices(menu: MenuResult, preset: Preset) -> dict[str, MapChoice]:
@@ -250,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare-criteria", nargs="+", default=[], choices=CRITERIA, metavar="CRITERION",
                    help="also train the knapsack's maps of these criteria (<criterion>_<budget>)")
     p.add_argument("--uniform-per-budget", type=int, default=2)
+    p.add_argument("--map-files", type=Path, nargs="+", default=[], metavar="FILE",
+                   help="also train these map files (a compression preset or lessmem-sensitivity's format; "
+                        "config: the file's stem, at the tightest budget)")
     p.add_argument("--menu", type=Path, default=None, help="a menu.json to use instead of measuring one")
     p.add_argument("--search-trials", type=int, default=10, help="0: no menu search")
     p.add_argument("--set", nargs="*", default=[], help="more training overrides (KEY=VALUE), for every run")
@@ -277,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                              args.compare_criteria)
     for name, choice in maps.items():
         write_map(out, name, choice, f"{args.model} proof map {name}")
+    for path in args.map_files:
+        configs[copy_map(out, path)] = {"home": budget_name(min(args.budgets)), "uniform": False}
     jobs = jobs_for(out, preset, args, configs, menu_path)
     (out / "proof.json").write_text(json.dumps(relative_to_repo(
         layout(preset, args.model, configs, args.budgets, menu_path, argv,

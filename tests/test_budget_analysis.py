@@ -228,6 +228,22 @@ def test_proof_driver_plans_maps_that_fit_and_runs_each_search_before_its_best_m
     assert "epochs=1" in jobs["stock/seed0"].argv
 
 
+def test_proof_driver_copies_map_files_and_refuses_to_overwrite_one(tmp_path: Path) -> None:
+    """``--map-files``: a hand map (here the resnet20_from_bn preset) lands in ``maps/<stem>.yaml``;
+    another file of that name is an error, not a silent replacement."""
+    proof = importlib.import_module("proof")
+    (tmp_path / "maps").mkdir()
+    preset = REPO / "src/lessmem/conf/compression/resnet20_from_bn.yaml"
+    assert proof.copy_map(tmp_path, preset) == "resnet20_from_bn"
+    assert (tmp_path / "maps" / "resnet20_from_bn.yaml").read_text() == preset.read_text()
+    assert proof.copy_map(tmp_path, preset) == "resnet20_from_bn"  # the same file again: fine
+    other = tmp_path / "other" / "resnet20_from_bn.yaml"
+    other.parent.mkdir()
+    other.write_text("map:\n  '*': 2\n")
+    with pytest.raises(SystemExit, match="differs"):
+        proof.copy_map(tmp_path, other)
+
+
 def test_criterion_check_trains_each_distinct_map_once() -> None:
     """Criteria that agree on a budget's map (all of them at a loose budget) give one
     configuration, not two runs of one map."""

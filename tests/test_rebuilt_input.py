@@ -159,3 +159,18 @@ def test_coverage_names_the_codes_by_their_keepers() -> None:
     ops = {row.op for row in report.rows}
     assert "StoredBatchNormFunctionBackward" in ops and "MaskedActivationFunctionBackward" in ops
     assert not any("RebuiltInput" in op for op in ops)
+
+
+def test_resnet20_preset_fits_its_budget() -> None:
+    """``compression=resnet20_from_bn`` composes, applies to resnet20 and keeps under 0.08x of
+    stock's saved bytes (what its comment promises), charging the rebuilt convs nothing."""
+    from lessmem.experiment import compose_config
+    from lessmem.experiment.compression import resolve_compression
+
+    cfg = compose_config(["model=resnet20", "compression=resnet20_from_bn"])
+    model = build_model("resnet20", 10).train()
+    resolve_compression(cfg.compression).apply(model)
+    x = torch.randn(4, 3, 32, 32)
+    saved = measure_memory(model, x)
+    assert saved.total_bytes < 0.08 * measure_memory(build_model("resnet20", 10).train(), x).total_bytes
+    assert not saved.per_layer.get("layer2.1.conv2") and saved.per_layer["layer2.1.conv1"] > 0
