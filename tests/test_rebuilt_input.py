@@ -174,3 +174,10 @@ def test_resnet20_preset_fits_its_budget() -> None:
     saved = measure_memory(model, x)
     assert saved.total_bytes < 0.08 * measure_memory(build_model("resnet20", 10).train(), x).total_bytes
     assert not saved.per_layer.get("layer2.1.conv2") and saved.per_layer["layer2.1.conv1"] > 0
+
+
+@pytest.mark.slow
+def test_compiled_from_bn_is_a_clear_error() -> None:
+    net = torch.compile(compress(block(), {"3": "from_bn"}, norm_storage="int4"))
+    with pytest.raises(ValueError, match="layer '3'.*torch.compile"):
+        net(torch.randn(2, 3, 8, 8))

@@ -181,5 +181,6 @@ class StoredBatchNorm2d(nn.BatchNorm2d):
                 x_in, self.weight, self.bias, self.running_mean, self.running_var,
                 momentum, self.eps, self.lessmem_storage,
             )
-        note(out, out.grad_fn.code)
+        if not torch.compiler.is_compiling():  # a traced output has no node to read the code from
+            note(out, out.grad_fn.code)
         return out
