@@ -11,6 +11,7 @@ machine noise hits both alike; the reported ratio is median(compressed) / median
     python benchmarks/speed.py --maps 2/int4 --profile 2x2/int4     # top ops of a --maps config
     python benchmarks/speed.py --threads 1 --clock cpu    # CPU time: steadier on a shared machine
     python benchmarks/speed.py --maps int2 --norm-storage int4    # a low-bit map, BatchNorm in int4
+    python benchmarks/speed.py --maps int2 'layer*.conv2:from_bn,*:int2' --norm-storage int4   # a whole map
     python benchmarks/speed.py --model tiny_llama --seq 256 --batch 8 --optimizer adamw --maps int8 \
         --norm-storage int8 --act-storage int8 --saved-storage int8 --threads 1 --clock cpu  # lossy_int8
 
@@ -34,6 +35,7 @@ import torchvision
 import lessmem
 from lessmem.core import parse_spec
 from lessmem.core.storage import STORAGES
+from lessmem.experiment.compression import parse_map_string
 
 VOCAB = 256  # token ids of the causal-LM models (--seq)
 OPTIMIZERS = {
@@ -57,7 +59,8 @@ def main() -> None:
     parser.add_argument("--kernels", type=int, nargs="+", default=None,
                         help="pooling kernels k, each timed as the map {'*': k} (default 2 4 without --maps)")
     parser.add_argument("--maps", nargs="+", default=[], metavar="SPEC",
-                        help="spec strings, each timed as the map {'*': SPEC}: e.g. 4/native int4 2/int4 int8")
+                        help="spec strings, each timed as the map {'*': SPEC}: e.g. 4/native int4 2/int4 int8; "
+                             "or a whole map as PATTERN:SPEC,... ('layer*.conv2:from_bn,*:int2')")
     parser.add_argument("--norm-storage", default="native", choices=STORAGES,
                         help="BatchNorm input storage of every compressed config (int4 with --maps int2: the low-bit map)")
     parser.add_argument("--act-storage", default="native", choices=STORAGES,
@@ -91,8 +94,8 @@ def main() -> None:
     fmt = torch.channels_last if args.channels_last else torch.contiguous_format
     stock = stock.to(memory_format=fmt)
     models = {"stock": stock}
-    for name, spec in specs.items():
-        models[name] = lessmem.compress(copy.deepcopy(stock), {"*": spec}, norm_storage=args.norm_storage,
+    for name, mapping in specs.items():
+        models[name] = lessmem.compress(copy.deepcopy(stock), mapping, norm_storage=args.norm_storage,
                                         act_storage=args.act_storage, saved_storage=args.saved_storage)
     optimizers = {n: OPTIMIZERS[args.optimizer](m.parameters()) for n, m in models.items()}
     if args.compile:
@@ -130,13 +133,17 @@ def main() -> None:
             profile_step(name, models[name], optimizers[name], x, y)
 
 
-def _specs(parser: argparse.ArgumentParser, kernels: list[int] | None, maps: list[str]) -> dict[str, object]:
-    """{table name: map value} of the compressed configurations, kernels first, each once."""
+def _specs(parser: argparse.ArgumentParser, kernels: list[int] | None, maps: list[str]) -> dict[str, dict]:
+    """{table name: map} of the compressed configurations, kernels first, each once: a spec is the
+    map {"*": spec}, named as its LayerSpec prints; a whole map (``PATTERN:SPEC,...``) is named as written."""
     values: list[object] = list(kernels if kernels is not None else ([] if maps else [2, 4])) + list(maps)
-    specs: dict[str, object] = {}
+    specs: dict[str, dict] = {}
     for value in values:
         try:
-            specs.setdefault(str(parse_spec("*", value)), value)
+            if isinstance(value, str) and ":" in value:
+                specs.setdefault(value, parse_map_string(value))
+            else:
+                specs.setdefault(str(parse_spec("*", value)), {"*": value})
         except ValueError as e:
             parser.error(f"--{'kernels' if isinstance(value, int) else 'maps'} {value}: {e}")
     return specs

@@ -72,6 +72,12 @@ def test_speed_benchmark_times_spec_maps_beside_kernels(stdout_of) -> None:
     assert rows == ["stock", "2x2", "1x1/int8", "2x2/int4"], out  # "2" is the 2x2 of --kernels
 
 
+def test_speed_benchmark_times_a_whole_map(stdout_of) -> None:
+    out = stdout_of("speed.py", "--model", "resnet18", "--size", "32", "--batch", "2", "--maps",
+                    "layer*.conv2:from_bn,*:int2", "--norm-storage", "int4", "--repeats", "1", "--warmup", "1")
+    assert re.search(r"^\| layer\*\.conv2:from_bn,\*:int2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", out, re.M), out
+
+
 def test_speed_benchmark_names_a_bad_spec(bench) -> None:
     status, _, err = bench("speed.py", "--maps", "2/int3")
     assert status == 2 and "--maps 2/int3" in err and "unknown storage 'int3'" in err
