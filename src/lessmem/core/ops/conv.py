@@ -81,9 +81,9 @@ class RebuiltInputConv2dFunction(torch.autograd.Function):
         stride, padding, dilation, groups = ctx.conv
         gw = None
         if ctx.needs_input_grad[1]:
-            gw = chunked_weight_grad(
-                grad_out, lambda s, e: rebuilt_samples(ctx.source, saved, ctx.x_shape, s, e).to(grad_out.dtype),
-                weight, stride, padding, dilation, groups)
+            samples = rebuilt_samples(ctx.source, saved, ctx.x_shape)
+            gw = chunked_weight_grad(grad_out, lambda s, e: samples(s, e).to(grad_out.dtype), weight, stride, padding,
+                                     dilation, groups)
         gx = input_grad(grad_out, weight, ctx.x_shape, stride, padding, dilation, groups) if ctx.needs_input_grad[0] else None
         gb = grad_out.sum((0, 2, 3)) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return handed_to(gx, ctx.grad_target), gw, gb, None, None, None, None, None

@@ -9,6 +9,8 @@ The layers find each other through ``input_notes``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -36,30 +38,25 @@ def claim(x: Tensor, layer: str) -> tuple[ReluOfNorm, tuple[Tensor, ...]]:
     return source, (*tensors[:3], norm.weight, norm.bias, *tensors[3:])
 
 
-def rebuilt_samples(source: ReluOfNorm, saved: tuple[Tensor, ...], shape: tuple[int, ...], start: int,
-                    stop: int) -> Tensor:
-    """Samples ``start:stop`` of the conv input, from ``claim``'s tensors."""
+def rebuilt_samples(source: ReluOfNorm, saved: tuple[Tensor, ...], shape: tuple[int, ...]) -> Callable[[int, int], Tensor]:
+    """A function of (start, stop) giving those samples of the conv input from ``claim``'s
+    tensors, each slice decoded on its own where samples start on a code group and a mask byte;
+    else the whole input rebuilt once (a full-size transient, as torch's kernels would make)."""
     bits, mean, invstd, weight, bias, *packed = saved
     norm = source.norm
-    n = stop - start
-    meta = norm.meta
-    if sliceable(meta, norm.storage):
-        x = unpack_samples(packed, norm.storage, meta, start, stop)
-    else:
-        x = unpack_tensor(packed, norm.storage, meta)[start:stop]
-    chan = (1, -1, 1, 1)
-    x_hat = x.float() if norm.normalized else (x.float() - mean.view(chan)).mul_(invstd.view(chan))
-    y = x_hat.mul_(weight.view(chan)).add_(bias.view(chan))
-    return y.mul_(_mask_samples(bits, source.channels_last, shape, start, n)).to(meta.dtype)
-
-
-def _mask_samples(bits: Tensor, channels_last: bool, shape: tuple[int, ...], start: int, n: int) -> Tensor:
     per_sample = shape[1] * shape[2] * shape[3]
-    if per_sample % 8:  # samples do not start on a byte: unpack all, slice
-        whole = _unpacked(bits, channels_last, (shape[0], *shape[1:]))
-        return whole[start: start + n]
-    part = bits[start * per_sample // 8: (start + n) * per_sample // 8]
-    return _unpacked(part, channels_last, (n, *shape[1:]))
+    chan = (1, -1, 1, 1)
+
+    def rebuilt(x: Tensor, mask: Tensor) -> Tensor:
+        x_hat = x.float() if norm.normalized else (x.float() - mean.view(chan)).mul_(invstd.view(chan))
+        return x_hat.mul_(weight.view(chan)).add_(bias.view(chan)).mul_(mask).to(norm.meta.dtype)
+
+    if sliceable(norm.meta, norm.storage) and per_sample % 8 == 0:
+        return lambda start, stop: rebuilt(
+            unpack_samples(packed, norm.storage, norm.meta, start, stop),
+            _unpacked(bits[start * per_sample // 8: stop * per_sample // 8], source.channels_last, (stop - start, *shape[1:])))
+    whole = rebuilt(unpack_tensor(packed, norm.storage, norm.meta), _unpacked(bits, source.channels_last, shape))
+    return lambda start, stop: whole[start:stop]
 
 
 def _unpacked(bits: Tensor, channels_last: bool, shape: tuple[int, ...]) -> Tensor:
