@@ -36,7 +36,9 @@ from lessmem.core import FIXED_MMAP_ENV, peak_rss_growth, training_step
 from lessmem.models import build_model
 
 CONFIGS: dict[str, dict[str, int | str] | None] = {
-    "stock": None, "2x2": {"*": 2}, "4x4": {"*": 4}, "int2+int4bn": {"*": "int2"}, "int1+int2bn": {"*": "int1"}}
+    "stock": None, "2x2": {"*": 2}, "4x4": {"*": 4}, "int2+int4bn": {"*": "int2"}, "int1+int2bn": {"*": "int1"},
+    # conv2 inputs (after BatchNorm + ReLU) rebuilt in backward, not kept: exact, and beside the paper's 2x2
+    "exact+from_bn": {"layer*.conv2": "from_bn"}, "2x2+from_bn": {"layer*.conv2": "from_bn", "*": 2}}
 NORM_STORAGE = {"int2+int4bn": "int4", "int1+int2bn": "int2"}  # BatchNorm inputs of the low-bit maps
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),

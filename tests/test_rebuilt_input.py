@@ -128,15 +128,22 @@ class Tampered(nn.Module):
         return self.conv(self.relu(self.bn(x)).mul_(2.0))
 
 
+class Unscaled(nn.Sequential):
+    """A BatchNorm without affine parameters: nothing to rebuild from (no gamma, beta)."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.BatchNorm2d(3, affine=False), nn.ReLU(), nn.Conv2d(3, 4, 3))
+
+
 @pytest.mark.parametrize(("model", "mapping", "norm_storage", "match"), [
-    (lambda: block(), {"3": "from_bn"}, "native", "layer '3'.*lossy norm_storage"),
     (lambda: block(), {"0": "from_bn"}, "int2", "layer '0'"),
     (Tampered, {"conv": "from_bn"}, "int2", "layer 'conv'.*unchanged"),
+    (Unscaled, {"2": "from_bn"}, "native", "layer '2'.*affine"),
 ])
 def test_misuse_names_the_layer(model, mapping, norm_storage: str, match: str) -> None:
     net = compress(model(), mapping, norm_storage=norm_storage)
     with pytest.raises(ValueError, match=match):
-        net(torch.randn(2, 3 if isinstance(net, nn.Sequential) else 4, 8, 8))
+        net(torch.randn(2, 4 if isinstance(net, Tampered) else 3, 8, 8))
 
 
 def test_from_bn_is_a_conv_kernel_1_option() -> None:
@@ -181,3 +188,40 @@ def test_compiled_from_bn_is_a_clear_error() -> None:
     net = torch.compile(compress(block(), {"3": "from_bn"}, norm_storage="int4"))
     with pytest.raises(ValueError, match="layer '3'.*torch.compile"):
         net(torch.randn(2, 3, 8, 8))
+
+
+def test_from_an_exact_batchnorm_gradients_are_stocks_to_rounding() -> None:
+    """Native BatchNorms (the map's from_bn makes them NotedBatchNorm2d, the same op): forward,
+    running statistics and every gradient but the rebuilt convs' weights are stock's bit for bit;
+    those are within float rounding; the convs keep nothing (saved-tensor count, under hooks)."""
+    torch.manual_seed(0)
+    x, labels = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    stock = build_model("resnet20", 10).train()
+    rebuilt = [f"layer{s}.{b}.conv2" for s in (1, 2, 3) for b in range(3)] + ["layer1.0.conv1"]
+    model = compress(copy.deepcopy(stock), dict.fromkeys(rebuilt, "from_bn"))
+    out = {}
+    for name, net in (("stock", stock), ("from_bn", model)):
+        logits = net(x)
+        F.cross_entropy(logits, labels).backward()
+        out[name] = (logits.detach(), {n: p.grad for n, p in net.named_parameters()}, dict(net.named_buffers()))
+    assert torch.equal(out["stock"][0], out["from_bn"][0])
+    assert all(torch.equal(b, out["from_bn"][2][n]) for n, b in out["stock"][2].items())
+    for name, grad in out["stock"][1].items():
+        if name.removesuffix(".weight") in rebuilt:
+            assert torch.allclose(out["from_bn"][1][name], grad, rtol=1e-5, atol=1e-6 * grad.abs().max()), name
+        else:
+            assert torch.equal(out["from_bn"][1][name], grad), name
+    exact = measure_memory(compress(copy.deepcopy(stock), None), x)
+    saved = measure_memory(model, x)
+    assert saved.total_bytes == exact.total_bytes - sum(exact.per_layer[name] for name in rebuilt)
+    assert saved.total_bytes < 0.75 * exact.total_bytes
+
+
+def test_noted_batchnorms_only_where_a_map_rebuilds() -> None:
+    from lessmem.core import uncompress
+    from lessmem.core.ops.batchnorm import NotedBatchNorm2d
+
+    assert not any(isinstance(m, NotedBatchNorm2d) for m in compress(block(), {"3": 2}).modules())
+    model = compress(block(), {"3": "from_bn"})
+    assert isinstance(model[1], NotedBatchNorm2d)
+    assert type(uncompress(model)[1]) is nn.BatchNorm2d

@@ -13,6 +13,7 @@ from lessmem.core.ops import custom_ops  # noqa: F401  (registers torch.ops.less
 from lessmem.core.ops.conv import CompressedConv2d
 from lessmem.core.ops.dispatch import ORIGINAL_CLASS_ATTR
 from lessmem.core.ops.registry import (
+    NOTED_NORMS,
     STOCK_OF,
     STORED_NORMS,
     compressed_class_of,
@@ -44,7 +45,9 @@ def compress(
     mapping: ordered ``{fnmatch pattern on named_modules() names: kernel}``; kernel is ``k``,
         ``[kh, kw]`` or ``{"kernel": k, "storage": "bf16"|"int8"}``. ``1`` keeps the stock layer
         (bit-identical). ``"from_bn"`` (Conv2d only): the input is not kept but rebuilt in backward
-        from the BatchNorm code (``norm_storage``) and ReLU mask right before the conv (``ops.rebuilt_input``).
+        from what the BatchNorm and ReLU right before the conv keep (``ops.rebuilt_input``): the
+        BatchNorm's input (exact: its ``norm_storage`` native; such BatchNorms become
+        ``NotedBatchNorm2d``, the same op) or its code (lossy ``norm_storage``), and the ReLU's mask.
         Conv2d inputs are pooled k×k; Linear inputs (..., tokens, features) are
         pooled over k tokens (nn.Linear subclasses that keep Linear's forward, timm's Linear and HF
         GPT-2's Conv1D too). Layers reading one tensor share its pooled copy; a Linear whose input
@@ -99,6 +102,10 @@ def compress(
             module = model.get_submodule(name)
             _swap(module, stored_class_of(module))
             module.lessmem_storage = storage
+    if any(getattr(m, "lessmem_spec", None) is not None and m.lessmem_spec.storage == FROM_NORM for m in model.modules()):
+        for module in model.modules():  # the exact BatchNorms a rebuilt input may come from
+            if type(module) in NOTED_NORMS:
+                _swap(module, NOTED_NORMS[type(module)])
     for name, (storage, in_layer) in _saved_storage_choices(model, saved_storage).items():
         attach(model.get_submodule(name), storage, in_layer=in_layer, is_model=not name)
     return model

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from lessmem.core.ops.dispatch import needs_saving
-from lessmem.core.ops.input_notes import NormCode, note, refs
+from lessmem.core.ops.input_notes import NormCode, held, note, refs
 from lessmem.core.ops.owned_grad import grad_target, handed_to, owns
 from lessmem.core.rounding import next_key
 from lessmem.core.storage import (
@@ -60,7 +60,7 @@ class StoredBatchNormFunction(torch.autograd.Function):
         ctx.eps, ctx.storage, ctx.meta = eps, storage, tensor_meta(x)
         ctx.grad_target = grad_target(x)
         # for a conv reading ReLU(out) with storage from_bn (``rebuilt_input``)
-        ctx.code = NormCode(refs(*packed), storage, ctx.meta, ctx.normalized, *refs(mean, invstd), weight, bias)
+        ctx.code = NormCode(refs(*packed), storage, ctx.meta, ctx.normalized, mean, invstd, weight, bias)
         return out
 
     @staticmethod
@@ -157,6 +157,25 @@ def _centered(x: Tensor, mean: Tensor, packed) -> Tensor:
     if x.untyped_storage().data_ptr() == packed[0].untyped_storage().data_ptr():
         return x - mean
     return x.sub_(mean)
+
+
+class NotedBatchNorm2d(nn.BatchNorm2d):
+    """Stock BatchNorm2d (the same op, bit for bit on CPU) that notes its saved input and batch
+    statistics on its output, so that a ``from_bn`` conv after it and a ReLU rebuilds its input
+    from them exactly (to float rounding). ``compress`` swaps it in for the BatchNorms a map with
+    ``from_bn`` leaves exact."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (self.training and needs_saving(x, self) and self.affine and self.track_running_stats) \
+                or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
+            return super().forward(x)
+        self._check_input_dim(x)
+        self.num_batches_tracked.add_(1)
+        momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        out, mean, invstd = torch.ops.aten.native_batch_norm(
+            x, self.weight, self.bias, self.running_mean, self.running_var, True, momentum, self.eps)
+        note(out, NormCode((held(x),), "native", tensor_meta(x), False, mean, invstd, self.weight, self.bias))
+        return out
 
 
 class StoredBatchNorm2d(nn.BatchNorm2d):

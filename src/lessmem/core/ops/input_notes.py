@@ -1,15 +1,18 @@
 """Notes that lessmem layers leave on the tensors they return, so that a later layer knows what an
-earlier one already keeps for backward: a BatchNorm notes the code of its input, a ReLU reading
+earlier one already keeps for backward: a BatchNorm notes its input or the code of it, a ReLU reading
 that output unchanged notes it with its own 1-bit mask, and a conv whose map says ``from_bn``
 rebuilds its input from both instead of keeping one more copy (``rebuilt_input``).
 
 A note holds for the tensor it was left on and only while that tensor is unchanged (same object,
-same version counter: an in-place op between two layers voids it). Its tensors are weak
-references: a note never keeps a code alive; the node that reads one saves it like any other."""
+same version counter: an in-place op between two layers voids it). Its codes and masks are weak
+references: a note never keeps one alive; the node that reads one saves it like any other. An exact
+BatchNorm's input is held (``held``), which its own node does until the BatchNorm's backward; only a
+caller keeping the ReLU's output past that keeps it longer."""
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,15 +24,17 @@ from lessmem.core.storage import Storage, TensorMeta
 
 @dataclass(frozen=True)
 class NormCode:
-    """What a training-mode BatchNorm keeps: its input's code (x_hat for integer codes, x for
-    bf16), the batch statistics, and its affine parameters."""
+    """What a training-mode BatchNorm keeps: its input (native) or its input's code (x_hat for
+    integer codes, x for bf16), the batch statistics, and its affine parameters. The statistics
+    are per channel: held, not weakly referenced (a saved output's Python object dies with its
+    forward; the node keeps the data)."""
 
-    packed: tuple[weakref.ref, ...]
+    packed: tuple[Callable[[], Tensor | None], ...]  # weak references, or the exact input itself (``held``)
     storage: Storage
     meta: TensorMeta
     normalized: bool  # packed holds x_hat = (x - mean) * invstd, not x
-    mean: weakref.ref
-    invstd: weakref.ref
+    mean: Tensor
+    invstd: Tensor
     weight: Tensor
     bias: Tensor
 
@@ -64,3 +69,10 @@ def noted(t: Tensor, kind: type):
 
 def refs(*tensors: Tensor) -> tuple[weakref.ref, ...]:
     return tuple(weakref.ref(t) for t in tensors)
+
+
+def held(t: Tensor) -> Callable[[], Tensor]:
+    """A strong reference in a weak reference's form, for a BatchNorm's exact input: its node keeps
+    it until the BatchNorm's backward anyway, but under saved-tensor hooks the node may keep
+    another tensor object of its storage, and a weak reference to this one would die."""
+    return lambda: t

@@ -1,10 +1,12 @@
 """A conv input rebuilt in backward instead of kept (a map's ``from_bn``): where a conv reads
-y = ReLU(BatchNorm(x)) and the BatchNorm keeps a code of its input (``norm_storage``) and the ReLU
-its 1-bit mask, y = mask * (gamma * x_hat + beta) is already determined by what those two keep,
-so the conv keeps nothing of its own. Its weight gradient is then as approximate as the
-BatchNorm's code: on a trained resnet20 (bn1 -> relu -> conv2 of every block, batch 32) the
-rebuilt input's squared error relative to y is 0.43 from int2 BatchNorm codes and 0.017 from
-int4 ones, where an int2 code of y itself gives 0.12 and int1 1.0. Input gradients stay exact.
+y = ReLU(BatchNorm(x)), the BatchNorm keeps its input x (exact) or a code of it (``norm_storage``)
+and the ReLU its 1-bit mask, y = mask * (gamma * x_hat + beta) is already determined by what those
+two keep, so the conv keeps nothing of its own. From an exact BatchNorm the rebuilt input is the
+forward's to float rounding (the kernel's formula in another order: weight gradients within
+~1e-6 of stock's). From a code, it is as approximate as the code: on a trained resnet20 (bn1 ->
+relu -> conv2 of every block, batch 32) the rebuilt input's squared error relative to y is 0.43
+from int2 BatchNorm codes and 0.017 from int4 ones, where an int2 code of y itself gives 0.12 and
+int1 1.0. Input gradients stay exact.
 The layers find each other through ``input_notes``."""
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ def claim(x: Tensor, layer: str) -> tuple[ReluOfNorm, tuple[Tensor, ...]]:
     if source is None:
         raise ValueError(
             f"layer {layer!r}: storage {FROM_NORM!r} rebuilds the conv input from the BatchNorm and ReLU "
-            "right before it, but this input is not a lessmem ReLU's output of a BatchNorm that keeps a "
-            "code (give that BatchNorm a lossy norm_storage, keep exact_companions on, and pass the ReLU's "
-            "output to the conv unchanged), or the conv runs under torch.compile (from_bn is eager only)")
+            "right before it, but this input is not the output of a ReLU (nn.ReLU, exact_companions on) of a "
+            "BatchNorm2d (affine, tracking running stats, in training mode) passed to the conv unchanged, or "
+            "the conv runs under torch.compile or autocast with an exact BatchNorm (from_bn is eager only)")
     norm = source.norm
-    tensors = tuple(r() for r in (source.bits, norm.mean, norm.invstd, *norm.packed))
+    tensors = (source.bits(), norm.mean, norm.invstd, *(r() for r in norm.packed))
     if any(t is None for t in tensors):
         raise ValueError(f"layer {layer!r}: the BatchNorm / ReLU before it keep no codes to rebuild from "
                          f"(gradient checkpointing drops saved tensors: {FROM_NORM!r} does not combine with it)")

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from lessmem.core.ops.attention import CompressedMultiheadAttention
-from lessmem.core.ops.batchnorm import StoredBatchNorm2d
+from lessmem.core.ops.batchnorm import NotedBatchNorm2d, StoredBatchNorm2d
 from lessmem.core.ops.conv import CompressedConv2d
 from lessmem.core.ops.dropout import PackedDropout
 from lessmem.core.ops.linear import CompressedLinear, CompressedTransposedLinear
@@ -50,12 +50,14 @@ EXACT_COMPANIONS: dict[type[nn.Module], type[nn.Module]] = {
 }
 # Lossy, opt-in: inputs kept in a lower-precision storage (``norm_storage`` / ``act_storage``).
 STORED_NORMS: dict[type[nn.Module], type[nn.Module]] = {nn.BatchNorm2d: StoredBatchNorm2d}
+# Exact, where a map rebuilds conv inputs (``from_bn``): the BatchNorms left exact note what they keep.
+NOTED_NORMS: dict[type[nn.Module], type[nn.Module]] = {nn.BatchNorm2d: NotedBatchNorm2d}
 STORED_ACTIVATIONS: dict[type[nn.Module], type[nn.Module]] = {
     nn.GELU: StoredGELU,
     nn.SiLU: StoredSiLU,
 }
 STOCK_OF: dict[type[nn.Module], type[nn.Module]] = {
-    v: k for k, v in {**COMPRESSIBLE, **EXACT_COMPANIONS, **STORED_NORMS, **STORED_ACTIVATIONS}.items()
+    v: k for k, v in {**COMPRESSIBLE, **EXACT_COMPANIONS, **STORED_NORMS, **NOTED_NORMS, **STORED_ACTIVATIONS}.items()
 }
 
 COMPRESSED_CLASSES = (*COMPRESSIBLE.values(), CompressedTransposedLinear)
