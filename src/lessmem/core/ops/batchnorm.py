@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from lessmem.core.ops.dispatch import needs_saving
-from lessmem.core.ops.input_notes import NormCode, held, note, refs
+from lessmem.core.ops.input_notes import NormCode, note, refs, saved_input
 from lessmem.core.ops.owned_grad import grad_target, handed_to, owns
 from lessmem.core.rounding import next_key
 from lessmem.core.storage import (
@@ -174,7 +174,8 @@ class NotedBatchNorm2d(nn.BatchNorm2d):
         momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         out, mean, invstd = torch.ops.aten.native_batch_norm(
             x, self.weight, self.bias, self.running_mean, self.running_var, True, momentum, self.eps)
-        note(out, NormCode((held(x),), "native", tensor_meta(x), False, mean, invstd, self.weight, self.bias))
+        note(out, NormCode((saved_input(out.grad_fn),), "native", tensor_meta(x), False, mean, invstd, self.weight,
+                           self.bias))
         return out
 
 

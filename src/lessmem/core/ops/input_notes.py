@@ -6,8 +6,7 @@ rebuilds its input from both instead of keeping one more copy (``rebuilt_input``
 A note holds for the tensor it was left on and only while that tensor is unchanged (same object,
 same version counter: an in-place op between two layers voids it). Its codes and masks are weak
 references: a note never keeps one alive; the node that reads one saves it like any other. An exact
-BatchNorm's input is held (``held``), which its own node does until the BatchNorm's backward; only a
-caller keeping the ReLU's output past that keeps it longer."""
+BatchNorm's input is read from its node (``saved_input``), which holds it until its backward."""
 
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ class NormCode:
     are per channel: held, not weakly referenced (a saved output's Python object dies with its
     forward; the node keeps the data)."""
 
-    packed: tuple[Callable[[], Tensor | None], ...]  # weak references, or the exact input itself (``held``)
+    packed: tuple[Callable[[], Tensor | None], ...]  # weak references, or ``saved_input``
     storage: Storage
     meta: TensorMeta
     normalized: bool  # packed holds x_hat = (x - mean) * invstd, not x
@@ -71,8 +70,14 @@ def refs(*tensors: Tensor) -> tuple[weakref.ref, ...]:
     return tuple(weakref.ref(t) for t in tensors)
 
 
-def held(t: Tensor) -> Callable[[], Tensor]:
-    """A strong reference in a weak reference's form, for a BatchNorm's exact input: its node keeps
-    it until the BatchNorm's backward anyway, but under saved-tensor hooks the node may keep
-    another tensor object of its storage, and a weak reference to this one would die."""
-    return lambda: t
+def saved_input(node) -> Callable[[], Tensor | None]:
+    """The input a stock BatchNorm's node saved, read from the node when called (a weak reference's
+    form): a reference to the tensor would die under saved-tensor hooks (the node may keep another
+    tensor object of its storage) or keep it past the node's backward (a ReLU marking its output
+    dirty keeps that output, and so its note, to the end of backward); the node releases it there."""
+    def read() -> Tensor | None:
+        try:
+            return node._saved_input
+        except RuntimeError:  # released by its backward
+            return None
+    return read
