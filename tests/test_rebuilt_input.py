@@ -104,12 +104,14 @@ def test_torchvision_blocks_reuse_one_relu_module() -> None:
     assert len(grads) == 8 and all(g is not None and torch.isfinite(g).all() for g in grads)
 
 
-def test_notes_keep_nothing_alive() -> None:
-    """A note holds weak references: once backward has freed the BatchNorm's and ReLU's codes, the
-    note on a ReLU output the caller still holds names nothing."""
+@pytest.mark.parametrize("norm_storage", ["int4", "native"])
+def test_notes_keep_nothing_alive(norm_storage: str) -> None:
+    """A note holds weak references (an exact BatchNorm's input: read from its node): once
+    backward has freed what the BatchNorm and ReLU keep, the note on a ReLU output the caller
+    still holds (as an in-place ReLU's node does) names nothing."""
     from lessmem.core.ops.input_notes import ReluOfNorm, noted
 
-    model = compress(block(), {"3": "from_bn"}, norm_storage="int4")
+    model = compress(block(), {"3": "from_bn"}, norm_storage=norm_storage)
     y = model[2](model[1](model[0](torch.randn(4, 3, 8, 8))))
     source = noted(y, ReluOfNorm)
     assert source is not None and source.bits() is not None and all(r() is not None for r in source.norm.packed)
