@@ -32,13 +32,15 @@ from functools import partial
 import torch
 
 import lessmem
-from lessmem.core import FIXED_MMAP_ENV, peak_rss_growth, training_step
+from lessmem.core import FIXED_MMAP_ENV, peak_rss_growth, rebuildable_convs, training_step
 from lessmem.models import build_model
 
 CONFIGS: dict[str, dict[str, int | str] | None] = {
     "stock": None, "2x2": {"*": 2}, "4x4": {"*": 4}, "int2+int4bn": {"*": "int2"}, "int1+int2bn": {"*": "int1"},
-    # conv2 inputs (after BatchNorm + ReLU) rebuilt in backward, not kept: exact, and beside the paper's 2x2
-    "exact+from_bn": {"layer*.conv2": "from_bn"}, "2x2+from_bn": {"layer*.conv2": "from_bn", "*": 2}}
+    # every conv input after BatchNorm + ReLU / ReLU6 rebuilt in backward, not kept (``REBUILT``): exact, and
+    # beside the paper's 2x2
+    "exact+from_bn": {}, "2x2+from_bn": {"*": 2}}
+REBUILT = ("exact+from_bn", "2x2+from_bn")  # lessmem.core.rebuildable_convs of the model, found on a small batch
 NORM_STORAGE = {"int2+int4bn": "int4", "int1+int2bn": "int2"}  # BatchNorm inputs of the low-bit maps
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
@@ -57,8 +59,11 @@ def measure(model_name: str, optimizer_name: str, config: str, batch: int, size:
     """One row: the peak of a step and its split (MiB), and the resident-memory check."""
     torch.manual_seed(0)
     model = build_model(model_name, NUM_CLASSES)
-    if CONFIGS[config] is not None:
-        lessmem.compress(model, CONFIGS[config], norm_storage=NORM_STORAGE.get(config, "native"))
+    mapping = CONFIGS[config]
+    if config in REBUILT:
+        mapping = {**dict.fromkeys(rebuildable_convs(model, torch.randn(2, 3, 64, 64)), "from_bn"), **mapping}
+    if mapping is not None:
+        lessmem.compress(model, mapping, norm_storage=NORM_STORAGE.get(config, "native"))
     optimizer = OPTIMIZERS[optimizer_name](model.parameters())
     data = (torch.randn(batch, 3, size, size), torch.randint(0, NUM_CLASSES, (batch,)))
     report = lessmem.measure_step_memory(model, data, optimizer=optimizer)

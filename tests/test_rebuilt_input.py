@@ -20,12 +20,12 @@ from lessmem.core.storage import unpack_tensor
 from lessmem.models.registry import build_model
 
 
-def block(inplace: bool = True, channels: int = 16, stride: int = 2) -> nn.Sequential:
+def block(inplace: bool = True, channels: int = 16, stride: int = 2, act: type[nn.Module] = nn.ReLU) -> nn.Sequential:
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(inplace=inplace),
+    net = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels), act(inplace=inplace),
                         nn.Conv2d(channels, 8, 3, padding=1, stride=stride))
-    with torch.no_grad():  # a trained BatchNorm's spread of scales and shifts, some negative
-        net[1].weight.uniform_(-1.5, 1.5)
+    with torch.no_grad():  # a trained BatchNorm's spread of scales and shifts, some negative; ReLU6 saturating
+        net[1].weight.uniform_(-1.5, 1.5) if act is nn.ReLU else net[1].weight.uniform_(-6.0, 6.0)
         net[1].bias.uniform_(-0.5, 0.5)
     return net
 
@@ -39,6 +39,8 @@ def reference_input(model: nn.Sequential, x: torch.Tensor, storage: str) -> torc
     x_hat = decoded if node.normalized else (decoded - mean.view(chan)) * invstd.view(chan)
     z = x_hat * weight.view(chan) + model[1].bias.view(chan)
     exact = F.batch_norm(model[0](x), None, None, weight, model[1].bias, True, 0.0, model[1].eps)
+    if isinstance(model[2], nn.ReLU6):  # off the pass mask: the bound on z's side
+        return torch.where((exact > 0) & (exact < 6), z, torch.where(z > 3, 6.0, 0.0)).detach()
     return ((exact > 0) * z).detach()
 
 
@@ -47,9 +49,10 @@ def reference_input(model: nn.Sequential, x: torch.Tensor, storage: str) -> torc
 @pytest.mark.parametrize("inplace", [True, False])
 # per sample: code groups and mask bytes aligned (2304), mask bytes only (400), neither (63)
 @pytest.mark.parametrize(("channels", "height"), [(16, 12), (16, 5), (7, 3)])
+@pytest.mark.parametrize("act", [nn.ReLU, nn.ReLU6])
 def test_weight_grad_from_the_rebuilt_input(storage: str, channels_last: bool, inplace: bool, channels: int,
-                                            height: int) -> None:
-    stock = block(inplace, channels)
+                                            height: int, act: type[nn.Module]) -> None:
+    stock = block(inplace, channels, act=act)
     x = torch.randn(5, 3, height, height)
     if channels_last:
         x, stock = x.contiguous(memory_format=torch.channels_last), stock.to(memory_format=torch.channels_last)
@@ -109,11 +112,11 @@ def test_notes_keep_nothing_alive(norm_storage: str) -> None:
     """A note holds weak references (an exact BatchNorm's input: read from its node): once
     backward has freed what the BatchNorm and ReLU keep, the note on a ReLU output the caller
     still holds (as an in-place ReLU's node does) names nothing."""
-    from lessmem.core.ops.input_notes import ReluOfNorm, noted
+    from lessmem.core.ops.input_notes import ClampOfNorm, noted
 
     model = compress(block(), {"3": "from_bn"}, norm_storage=norm_storage)
     y = model[2](model[1](model[0](torch.randn(4, 3, 8, 8))))
-    source = noted(y, ReluOfNorm)
+    source = noted(y, ClampOfNorm)
     assert source is not None and source.bits() is not None and all(r() is not None for r in source.norm.packed)
     model[3](y).sum().backward()
     assert source.bits() is None and all(r() is None for r in source.norm.packed)
@@ -227,3 +230,37 @@ def test_noted_batchnorms_only_where_a_map_rebuilds() -> None:
     model = compress(block(), {"3": "from_bn"})
     assert isinstance(model[1], NotedBatchNorm2d)
     assert type(uncompress(model)[1]) is nn.BatchNorm2d
+
+
+def test_rebuildable_convs_are_those_after_batchnorm_and_a_clamp() -> None:
+    from lessmem.core import rebuildable_convs
+
+    x = torch.randn(2, 3, 32, 32)
+    assert rebuildable_convs(build_model("resnet20", 10), x) == \
+        ["layer1.0.conv1"] + [f"layer{s}.{b}.conv2" for s in (1, 2, 3) for b in range(3)]
+    found = rebuildable_convs(build_model("mobilenet_v2", 10), x)  # after BatchNorm + ReLU6: depthwise and projection
+    assert "features.2.conv.1.0" in found and "features.2.conv.2" in found and "features.2.conv.0.0" not in found
+
+
+def test_mobilenet_v2_rebuilt_after_relu6_is_stocks_to_rounding() -> None:
+    """ReLU6 (off the mask: the bound on the rebuilt value's side) from exact BatchNorms: every
+    rebuilt conv's weight gradient within float rounding of stock's, every other one bit-identical."""
+    from lessmem.core import rebuildable_convs
+
+    torch.manual_seed(0)
+    stock = build_model("mobilenet_v2", 10).train()
+    for module in stock.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    x, labels = torch.randn(2, 3, 32, 32), torch.tensor([1, 7])
+    rebuilt = rebuildable_convs(stock, x)
+    model = compress(copy.deepcopy(stock), dict.fromkeys(rebuilt, "from_bn"))
+    grads = {}
+    for name, net in (("stock", stock), ("from_bn", model)):
+        F.cross_entropy(net(x), labels).backward()
+        grads[name] = {n: p.grad for n, p in net.named_parameters()}
+    for name, grad in grads["stock"].items():
+        if name.removesuffix(".weight") in rebuilt:
+            assert torch.allclose(grads["from_bn"][name], grad, rtol=1e-5, atol=1e-6 * grad.abs().max()), name
+        else:
+            assert torch.equal(grads["from_bn"][name], grad), name

@@ -9,7 +9,13 @@
 Other layers use the core through the names exported here.
 """
 
-from lessmem.core.compress import compress, compressed_layers, storable_layers, uncompress
+from lessmem.core.compress import (
+    compress,
+    compressed_layers,
+    rebuildable_convs,
+    storable_layers,
+    uncompress,
+)
 from lessmem.core.coverage import CoverageReport, coverage
 from lessmem.core.kernels.cpu import build_cpu_kernels
 from lessmem.core.mapping import compressible_layers, first_match, resolve_mapping
@@ -70,6 +76,7 @@ __all__ = [
     "resolve_mapping",
     "rounding_state",
     "set_rounding_seed",
+    "rebuildable_convs",
     "storable_layers",
     "stored_bytes",
     "tensor_meta",

@@ -3,15 +3,18 @@ the swapped modules keep their parameters, so ``state_dict`` keys never change."
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from lessmem.core.mapping import first_match, resolve_mapping, unmatched
 from lessmem.core.ops import custom_ops  # noqa: F401  (registers torch.ops.lessmem.*)
 from lessmem.core.ops.conv import CompressedConv2d
 from lessmem.core.ops.dispatch import ORIGINAL_CLASS_ATTR
+from lessmem.core.ops.input_notes import ClampOfNorm, noted
 from lessmem.core.ops.registry import (
     NOTED_NORMS,
     STOCK_OF,
@@ -144,6 +147,28 @@ def _storage_choices(
         if pattern is not None and rules[pattern] != "native":
             chosen[name] = str(rules[pattern])
     return chosen
+
+
+def rebuildable_convs(model: nn.Module, inputs: Tensor | tuple[Tensor, ...]) -> list[str]:
+    """The convs of ``model`` that can take ``"from_bn"``: those whose input is a ReLU / ReLU6 /
+    Hardtanh output of a BatchNorm2d, passed unchanged (found by one training-mode forward of
+    ``inputs`` through an exactly compressed copy; ``model`` is not changed). A map
+    ``dict.fromkeys(rebuildable_convs(model, x), "from_bn")`` rebuilds them all."""
+    probe = compress(copy.deepcopy(model), None).train()
+    for module in probe.modules():
+        if type(module) in NOTED_NORMS:
+            _swap(module, NOTED_NORMS[type(module)])
+    found: list[str] = []
+
+    def check(name: str) -> Callable[..., None]:
+        return lambda module, args: found.append(name) if noted(args[0], ClampOfNorm) is not None else None
+
+    hooks = [m.register_forward_pre_hook(check(n)) for n, m in probe.named_modules() if isinstance(m, nn.Conv2d)]
+    with torch.enable_grad():
+        probe(*(inputs if isinstance(inputs, tuple) else (inputs,)))
+    for hook in hooks:
+        hook.remove()
+    return list(dict.fromkeys(found))
 
 
 def storable_layers(model: nn.Module) -> dict[str, list[str]]:

@@ -1,6 +1,6 @@
 """Notes that lessmem layers leave on the tensors they return, so that a later layer knows what an
-earlier one already keeps for backward: a BatchNorm notes its input or the code of it, a ReLU reading
-that output unchanged notes it with its own 1-bit mask, and a conv whose map says ``from_bn``
+earlier one already keeps for backward: a BatchNorm notes its input or the code of it, a ReLU (ReLU6,
+Hardtanh) reading that output unchanged notes it with its own 1-bit mask, and a conv whose map says ``from_bn``
 rebuilds its input from both instead of keeping one more copy (``rebuilt_input``).
 
 A note holds for the tensor it was left on and only while that tensor is unchanged (same object,
@@ -39,18 +39,21 @@ class NormCode:
 
 
 @dataclass(frozen=True)
-class ReluOfNorm:
-    """ReLU(BatchNorm(x)): the BatchNorm's code and the ReLU's pass mask (``pack_bits`` layout)."""
+class ClampOfNorm:
+    """clamp(BatchNorm(x), lo, hi) (ReLU: lo 0, no hi; ReLU6; Hardtanh): the BatchNorm's code and the
+    activation's pass mask (``pack_bits`` layout; set where lo < y < hi)."""
 
     norm: NormCode
     bits: weakref.ref
     channels_last: bool
+    lo: float = 0.0
+    hi: float | None = None
 
 
 _notes: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
 
-def note(t: Tensor, what: NormCode | ReluOfNorm) -> None:
+def note(t: Tensor, what: NormCode | ClampOfNorm) -> None:
     """Leave ``what`` on ``t`` (eager only: a compiled graph has no tensor objects to note)."""
     if not torch.compiler.is_compiling():
         _notes[t] = (t._version, what)

@@ -11,7 +11,7 @@ from lessmem.core.kernels import cpu as cpu_kernels
 from lessmem.core.kernels import triton as triton_kernels
 from lessmem.core.layout import is_channels_last, is_dense
 from lessmem.core.ops.dispatch import needs_saving
-from lessmem.core.ops.input_notes import NormCode, ReluOfNorm, note, noted, refs
+from lessmem.core.ops.input_notes import ClampOfNorm, NormCode, note, noted, refs
 from lessmem.core.ops.owned_grad import grad_target, handed_to, owns
 
 # 8 flags (bytes 0/1) in one int64 word -> one byte: multiplying by this constant moves byte i's
@@ -113,18 +113,23 @@ def _masked_activation(x: Tensor, lo: float, hi: float | None, inplace: bool) ->
     return MaskedActivationFunction.apply(x, lo, hi, False)
 
 
+def _noted_activation(x: Tensor, lo: float, hi: float | None, inplace: bool) -> Tensor:
+    """The masked activation; of a lessmem BatchNorm's output it notes its mask with the
+    BatchNorm's code on its own output (``input_notes``), for a conv rebuilding its input."""
+    norm = noted(x, NormCode)  # before an in-place activation moves x's version on
+    y = _masked_activation(x, lo, hi, inplace)
+    if norm is not None:  # eager: y.grad_fn is the MaskedActivationFunction's node
+        note(y, ClampOfNorm(norm, y.grad_fn.bits, y.grad_fn.channels_last, lo, hi))
+    return y
+
+
 class PackedReLU(nn.ReLU):
-    """ReLU that keeps a 1-bit mask for backward instead of its full-size output. Of a lessmem
-    BatchNorm's output it notes its mask with the BatchNorm's code on its own output (``input_notes``)."""
+    """ReLU that keeps a 1-bit mask for backward instead of its full-size output."""
 
     def forward(self, x: Tensor) -> Tensor:
         if not needs_saving(x, self):
             return super().forward(x)
-        norm = noted(x, NormCode)  # before an in-place ReLU moves x's version on
-        y = _masked_activation(x, 0.0, None, self.inplace)
-        if norm is not None:  # eager: y.grad_fn is the MaskedActivationFunction's node
-            note(y, ReluOfNorm(norm, y.grad_fn.bits, y.grad_fn.channels_last))
-        return y
+        return _noted_activation(x, 0.0, None, self.inplace)
 
 
 class PackedHardtanh(nn.Hardtanh):
@@ -133,7 +138,7 @@ class PackedHardtanh(nn.Hardtanh):
     def forward(self, x: Tensor) -> Tensor:
         if not needs_saving(x, self):
             return super().forward(x)
-        return _masked_activation(x, self.min_val, self.max_val, self.inplace)
+        return _noted_activation(x, self.min_val, self.max_val, self.inplace)
 
 
 class PackedReLU6(nn.ReLU6, PackedHardtanh):

@@ -1,7 +1,8 @@
 """A conv input rebuilt in backward instead of kept (a map's ``from_bn``): where a conv reads
 y = ReLU(BatchNorm(x)), the BatchNorm keeps its input x (exact) or a code of it (``norm_storage``)
 and the ReLU its 1-bit mask, y = mask * (gamma * x_hat + beta) is already determined by what those
-two keep, so the conv keeps nothing of its own. From an exact BatchNorm the rebuilt input is the
+two keep, so the conv keeps nothing of its own (ReLU6 / Hardtanh: off the mask, the bound on the
+side of gamma * x_hat + beta). From an exact BatchNorm the rebuilt input is the
 forward's to float rounding (the kernel's formula in another order: weight gradients within
 ~1e-6 of stock's). From a code, it is as approximate as the code: on a trained resnet20 (bn1 ->
 relu -> conv2 of every block, batch 32) the rebuilt input's squared error relative to y is 0.43
@@ -16,16 +17,16 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lessmem.core.ops.input_notes import ReluOfNorm, noted
+from lessmem.core.ops.input_notes import ClampOfNorm, noted
 from lessmem.core.ops.masked_activations import unpack_bits
 from lessmem.core.spec import FROM_NORM
 from lessmem.core.storage import sliceable, unpack_samples, unpack_tensor
 
 
-def claim(x: Tensor, layer: str) -> tuple[ReluOfNorm, tuple[Tensor, ...]]:
+def claim(x: Tensor, layer: str) -> tuple[ClampOfNorm, tuple[Tensor, ...]]:
     """The note on the conv input ``x`` and the tensors it names, alive (bits, mean, invstd,
     BatchNorm weight and bias, code...), or a clear error."""
-    source = noted(x, ReluOfNorm)
+    source = noted(x, ClampOfNorm)
     if source is None:
         raise ValueError(
             f"layer {layer!r}: storage {FROM_NORM!r} rebuilds the conv input from the BatchNorm and ReLU "
@@ -40,7 +41,7 @@ def claim(x: Tensor, layer: str) -> tuple[ReluOfNorm, tuple[Tensor, ...]]:
     return source, (*tensors[:3], norm.weight, norm.bias, *tensors[3:])
 
 
-def rebuilt_samples(source: ReluOfNorm, saved: tuple[Tensor, ...], shape: tuple[int, ...]) -> Callable[[int, int], Tensor]:
+def rebuilt_samples(source: ClampOfNorm, saved: tuple[Tensor, ...], shape: tuple[int, ...]) -> Callable[[int, int], Tensor]:
     """A function of (start, stop) giving those samples of the conv input from ``claim``'s
     tensors, each slice decoded on its own where samples start on a code group and a mask byte;
     else the whole input rebuilt once (a full-size transient, as torch's kernels would make)."""
@@ -51,7 +52,13 @@ def rebuilt_samples(source: ReluOfNorm, saved: tuple[Tensor, ...], shape: tuple[
 
     def rebuilt(x: Tensor, mask: Tensor) -> Tensor:
         x_hat = x.float() if norm.normalized else (x.float() - mean.view(chan)).mul_(invstd.view(chan))
-        return x_hat.mul_(weight.view(chan)).add_(bias.view(chan)).mul_(mask).to(norm.meta.dtype)
+        z = x_hat.mul_(weight.view(chan)).add_(bias.view(chan))
+        if source.hi is None:  # ReLU: 0 where the mask is off
+            return z.mul_(mask).to(norm.meta.dtype)
+        # ReLU6 / Hardtanh: off the mask, the bound on z's side (from a code: wrong only where its error
+        # exceeds half the range, 3 for ReLU6)
+        bound = torch.where(z > (source.lo + source.hi) / 2, source.hi, source.lo)
+        return torch.where(mask, z, bound).to(norm.meta.dtype)
 
     if sliceable(norm.meta, norm.storage) and per_sample % 8 == 0:
         return lambda start, stop: rebuilt(
