@@ -229,9 +229,12 @@ def budget_section(results: Path, docs: Path) -> list[str]:
          "--budgets 0.05 --search-trials 0 --uniform-per-budget 1 --menu docs/results/proof_resnet20/menu/menu.json "
          "--seeds 0 1 2 3"),
         ("proof_resnet20_xhat/summary.md", "At 0.08x with BatchNorm's integer codes of the normalized input (b43f399): "
-         "the knapsack's map of a menu measured with them, uniform int1 + int2 BatchNorm, and int2 + int2 BatchNorm "
-         "(0.094x, over the budget)", "python analysis/proof.py --model resnet20 --out docs/results/proof_resnet20_xhat "
-         "--budgets 0.08 --search-trials 0 --uniform-per-budget 1 --criterion tensor_error --configs 'chosen_*' int1_bn2"),
+         "the knapsack's map of a menu measured with them and of that menu without pooled options, conv inputs rebuilt "
+         "from their BatchNorm's code (`from_bn_0.08`, `compression=resnet20_from_bn`), uniform int1 + int2 and int2 + "
+         "int1 BatchNorm, and int2 + int2 BatchNorm (0.094x, over the budget)",
+         "python analysis/proof.py --model resnet20 --out docs/results/proof_resnet20_xhat --budgets 0.08 --search-trials 0 "
+         "--uniform-per-budget 2 --criterion tensor_error --configs 'chosen_*' int1_bn2 int2_bn1 from_bn_0.08 "
+         "tensor_error_0.08_unpooled --map-files DIR/maps/from_bn_0.08.yaml DIR/maps/tensor_error_0.08_unpooled.yaml"),
     ))
 
 
@@ -340,9 +343,11 @@ FOLDERS = [
     "docs/results/proof_resnet20/menu/menu.json --seeds 0 1 2 3` | `python analysis/proof_summary.py "
     "docs/results/proof_resnet20_005` |",
     "| [results/proof_resnet20_xhat](results/proof_resnet20_xhat/summary.md) | `python analysis/proof.py --model "
-    "resnet20 --out docs/results/proof_resnet20_xhat --budgets 0.08 --search-trials 0 --uniform-per-budget 1 "
-    "--criterion tensor_error --configs 'chosen_*' int1_bn2` (stock shared with proof_resnet20; `int2_bn2` by its map "
-    "file on the same schedule) | `python analysis/proof_summary.py docs/results/proof_resnet20_xhat` |",
+    "resnet20 --out docs/results/proof_resnet20_xhat --budgets 0.08 --search-trials 0 --uniform-per-budget 2 "
+    "--criterion tensor_error --configs 'chosen_*' int1_bn2 int2_bn1 from_bn_0.08 tensor_error_0.08_unpooled "
+    "--map-files DIR/maps/from_bn_0.08.yaml DIR/maps/tensor_error_0.08_unpooled.yaml` (stock shared with proof_resnet20; "
+    "`int2_bn2` by its map file on the same schedule; the map files: `compact_runs.py --restore-maps`) | "
+    "`python analysis/proof_summary.py docs/results/proof_resnet20_xhat` |",
     "| [results/proof_tiny_llama_lr1e3](results/proof_tiny_llama_lr1e3/summary.md) | `python analysis/proof.py --model "
     "tiny_llama --out docs/results/proof_tiny_llama_lr1e3 --budgets 0.25 --search-trials 0 --uniform-per-budget 1` "
     "(stock seeds 0-1 shared with the learning-rate sweep) | `python analysis/proof_summary.py "
