@@ -1,14 +1,15 @@
 """A conv input rebuilt in backward instead of kept (a map's ``from_bn``): where a conv reads
 y = ReLU(BatchNorm(x)), the BatchNorm keeps its input x (exact) or a code of it (``norm_storage``)
-and the ReLU its 1-bit mask, y = mask * (gamma * x_hat + beta) is already determined by what those
-two keep, so the conv keeps nothing of its own (ReLU6 / Hardtanh: off the mask, the bound on the
-side of gamma * x_hat + beta). From an exact BatchNorm the rebuilt input is the
-forward's to float rounding (the kernel's formula in another order: weight gradients within
-~1e-6 of stock's). From a code, it is as approximate as the code: on a trained resnet20 (bn1 ->
-relu -> conv2 of every block, batch 32) the rebuilt input's squared error relative to y is 0.43
-from int2 BatchNorm codes and 0.017 from int4 ones, where an int2 code of y itself gives 0.12 and
-int1 1.0. Input gradients stay exact.
-The layers find each other through ``input_notes``."""
+and the ReLU its 1-bit mask, so y = mask * (gamma * x_hat + beta) is already determined by what those
+two keep, and the conv keeps nothing of its own (after ReLU6 / Hardtanh: off the mask, the bound on
+the side of gamma * x_hat + beta).
+
+From an exact BatchNorm the rebuilt input is the forward's to float rounding (the kernel's formula
+in another order: weight gradients within ~1e-6 of stock's). From a code it is as approximate as
+the code: on a trained resnet20 (bn1 -> relu -> conv2 of every block, batch 32) its squared error
+relative to y is 0.43 from int2 BatchNorm codes and 0.017 from int4 ones, where an int2 code of y
+itself gives 0.12 and int1 1.0. Input gradients stay exact. The layers find each other through
+``input_notes``."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def claim(x: Tensor, layer: str) -> tuple[ClampOfNorm, tuple[Tensor, ...]]:
     if source is None:
         raise ValueError(
             f"layer {layer!r}: storage {FROM_NORM!r} rebuilds the conv input from the BatchNorm and ReLU "
-            "right before it, but this input is not the output of a ReLU (nn.ReLU, exact_companions on) of a "
+            "right before it, but this input is not the output of a ReLU / ReLU6 / Hardtanh module (exact_companions "
+            "on) of a "
             "BatchNorm2d (affine, tracking running stats, in training mode) passed to the conv unchanged, or "
             "the conv runs under torch.compile or autocast with an exact BatchNorm (from_bn is eager only)")
     norm = source.norm
