@@ -1,7 +1,8 @@
 """Conv2d that saves its input only as k×k block means: the autograd Function, the gradients it
 takes from them, which weight-gradient path a layer takes (the C++ depthwise kernel, the pooled
-grid of ``conv_weight_grad``, or expanding the block means: a cost model fitted on CPU), and the
-swapped-in ``CompressedConv2d``."""
+grid of ``conv_weight_grad``, or expanding the block means: a cost model fitted on CPU), the
+Function of a conv that keeps nothing (``from_bn``: its input rebuilt from the layers before it,
+``rebuilt_input``), and the swapped-in ``CompressedConv2d``."""
 
 from __future__ import annotations
 
@@ -230,7 +231,8 @@ _eager_conv = torch.compiler.disable(PooledConv2dFunction.apply)
 
 
 class CompressedConv2d(nn.Conv2d):
-    """Conv2d that saves its input pooled by ``lessmem_spec.kernel`` for the weight gradient."""
+    """Conv2d that saves its input pooled by ``lessmem_spec.kernel`` for the weight gradient (or,
+    with storage ``from_bn``, nothing: rebuilt in backward from the BatchNorm and ReLU before it)."""
 
     lessmem_spec: LayerSpec
 
