@@ -225,9 +225,11 @@ def budget_section(results: Path, docs: Path) -> list[str]:
          "+ int2 BatchNorm", "python analysis/proof.py --model resnet20 --out docs/results/proof_resnet20_0125 --budgets "
          "0.125 --search-trials 0 --uniform-per-budget 1 --menu docs/results/proof_resnet20/menu/menu.json"),
         ("proof_resnet20_005/summary.md", "At 0.05x on the issue-12 schedule (4 seeds): the knapsack's map against "
-         "uniform 2x2 int1 + int1 BatchNorm", "python analysis/proof.py --model resnet20 --out docs/results/proof_resnet20_005 "
+         "uniform 2x2 int1 + int1 BatchNorm; conv inputs rebuilt from their BatchNorm's codes (`from_bn_0.05`, 8 seeds)",
+         "python analysis/proof.py --model resnet20 --out docs/results/proof_resnet20_005 "
          "--budgets 0.05 --search-trials 0 --uniform-per-budget 1 --menu docs/results/proof_resnet20/menu/menu.json "
-         "--seeds 0 1 2 3"),
+         "--seeds 0 1 2 3; from_bn_0.05: the same with --configs from_bn_0.05 --map-files DIR/maps/from_bn_0.05.yaml "
+         "--seeds 0 1 2 3 4 5 6 7"),
         ("proof_resnet20_xhat/summary.md", "At 0.08x with BatchNorm's integer codes of the normalized input (b43f399): "
          "the knapsack's map of a menu measured with them and of that menu without pooled options, conv inputs rebuilt "
          "from their BatchNorm's code (`from_bn_0.08`, `compression=resnet20_from_bn`), uniform int1 + int2 and int2 + "
@@ -340,7 +342,8 @@ FOLDERS = [
     "docs/results/proof_resnet20/menu/menu.json` | `python analysis/proof_summary.py docs/results/proof_resnet20_0125` |",
     "| [results/proof_resnet20_005](results/proof_resnet20_005/summary.md) | `python analysis/proof.py --model "
     "resnet20 --out docs/results/proof_resnet20_005 --budgets 0.05 --search-trials 0 --uniform-per-budget 1 --menu "
-    "docs/results/proof_resnet20/menu/menu.json --seeds 0 1 2 3` | `python analysis/proof_summary.py "
+    "docs/results/proof_resnet20/menu/menu.json --seeds 0 1 2 3` (`from_bn_0.05`: the same with `--configs from_bn_0.05 "
+    "--map-files DIR/maps/from_bn_0.05.yaml --seeds 0 1 2 3 4 5 6 7`) | `python analysis/proof_summary.py "
     "docs/results/proof_resnet20_005` |",
     "| [results/proof_resnet20_xhat](results/proof_resnet20_xhat/summary.md) | `python analysis/proof.py --model "
     "resnet20 --out docs/results/proof_resnet20_xhat --budgets 0.08 --search-trials 0 --uniform-per-budget 2 "
