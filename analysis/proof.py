@@ -122,10 +122,10 @@ def copy_map(out: Path, path: Path) -> str:
     if not path.is_file():
         raise SystemExit(f"--map-files: no file {path}")
     read_map_yaml(path)  # a clear error now, not in every run
-    target = out / "maps" / f"{path.stem}.yaml"
-    if target.exists() and target.read_text() != path.read_text():
+    text, target = path.read_text(), out / "maps" / f"{path.stem}.yaml"
+    if target.exists() and target.read_text() != text:
         raise SystemExit(f"--map-files: {target} exists and differs from {path}")
-    target.write_text(path.read_text())
+    target.write_text(text)
     return path.stem
 
 

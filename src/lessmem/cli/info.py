@@ -34,7 +34,7 @@ SPEC_SYNTAX = {
     "khxkw": "pool kh x kw (e.g. 2x4)",
     "k/STORAGE": "pool k x k and keep the pooled copy in STORAGE (also khxkw/STORAGE)",
     "STORAGE": "no pooling (kernel 1), the input kept in STORAGE",
-    "from_bn": "a conv after BatchNorm (lossy norm_storage) + ReLU: nothing kept, rebuilt from their codes",
+    "from_bn": "a conv after BatchNorm + ReLU / ReLU6 / Hardtanh: nothing kept, rebuilt from what those keep",
 }
 
 

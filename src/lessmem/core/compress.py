@@ -76,7 +76,8 @@ def compress(
                         norm_storage=mapping.norm_storage, act_storage=mapping.act_storage,
                         saved_storage=saved_storage)
     uncompress(model)
-    for name, spec in resolve_mapping(model, mapping).items():
+    specs = resolve_mapping(model, mapping)
+    for name, spec in specs.items():
         module = model.get_submodule(name)
         if spec.exact:
             continue
@@ -105,10 +106,8 @@ def compress(
             module = model.get_submodule(name)
             _swap(module, stored_class_of(module))
             module.lessmem_storage = storage
-    if any(getattr(m, "lessmem_spec", None) is not None and m.lessmem_spec.storage == FROM_NORM for m in model.modules()):
-        for module in model.modules():  # the exact BatchNorms a rebuilt input may come from
-            if type(module) in NOTED_NORMS:
-                _swap(module, NOTED_NORMS[type(module)])
+    if any(spec.storage == FROM_NORM for spec in specs.values()):
+        _note_exact_norms(model)
     for name, (storage, in_layer) in _saved_storage_choices(model, saved_storage).items():
         attach(model.get_submodule(name), storage, in_layer=in_layer, is_model=not name)
     return model
@@ -149,15 +148,21 @@ def _storage_choices(
     return chosen
 
 
+def _note_exact_norms(model: nn.Module) -> nn.Module:
+    """Swap the BatchNorms left exact for ones noting their input, where a rebuilt conv input
+    (``from_bn``) may come from them; returns ``model``."""
+    for module in model.modules():
+        if type(module) in NOTED_NORMS:
+            _swap(module, NOTED_NORMS[type(module)])
+    return model
+
+
 def rebuildable_convs(model: nn.Module, inputs: Tensor | tuple[Tensor, ...]) -> list[str]:
     """The convs of ``model`` that can take ``"from_bn"``: those whose input is a ReLU / ReLU6 /
     Hardtanh output of a BatchNorm2d, passed unchanged (found by one training-mode forward of
     ``inputs`` through an exactly compressed copy; ``model`` is not changed). A map
     ``dict.fromkeys(rebuildable_convs(model, x), "from_bn")`` rebuilds them all."""
-    probe = compress(copy.deepcopy(model), None).train()
-    for module in probe.modules():
-        if type(module) in NOTED_NORMS:
-            _swap(module, NOTED_NORMS[type(module)])
+    probe = _note_exact_norms(compress(copy.deepcopy(model), None).train())
     found: list[str] = []
 
     def check(name: str) -> Callable[..., None]:

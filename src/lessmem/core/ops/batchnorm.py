@@ -159,6 +159,20 @@ def _centered(x: Tensor, mean: Tensor, packed) -> Tensor:
     return x.sub_(mean)
 
 
+def _keeps_batch_stats(module: nn.BatchNorm2d, x: Tensor) -> bool:
+    """Training with batch statistics and running ones, affine, and autograd keeping something:
+    the case the lessmem BatchNorms take over (else stock's forward)."""
+    return module.training and needs_saving(x, module) and module.affine and module.track_running_stats
+
+
+def _count_batch(module: nn.BatchNorm2d, x: Tensor) -> float:
+    """What ``nn.BatchNorm2d.forward`` does before its kernel: check the input, count the batch;
+    returns the running statistics' momentum."""
+    module._check_input_dim(x)
+    module.num_batches_tracked.add_(1)
+    return 1.0 / float(module.num_batches_tracked) if module.momentum is None else module.momentum
+
+
 class NotedBatchNorm2d(nn.BatchNorm2d):
     """Stock BatchNorm2d (the same op, bit for bit on CPU) that notes its saved input and batch
     statistics on its output, so that a ``from_bn`` conv after it and a ReLU rebuilds its input
@@ -166,12 +180,9 @@ class NotedBatchNorm2d(nn.BatchNorm2d):
     ``from_bn`` leaves exact."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if not (self.training and needs_saving(x, self) and self.affine and self.track_running_stats) \
-                or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
+        if not _keeps_batch_stats(self, x) or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
             return super().forward(x)
-        self._check_input_dim(x)
-        self.num_batches_tracked.add_(1)
-        momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        momentum = _count_batch(self, x)
         out, mean, invstd = torch.ops.aten.native_batch_norm(
             x, self.weight, self.bias, self.running_mean, self.running_var, True, momentum, self.eps)
         note(out, NormCode((saved_input(out.grad_fn),), "native", tensor_meta(x), False, mean, invstd, self.weight,
@@ -185,13 +196,9 @@ class StoredBatchNorm2d(nn.BatchNorm2d):
     lessmem_storage: Storage
 
     def forward(self, x: Tensor) -> Tensor:
-        if not (self.training and needs_saving(x, self) and self.affine and self.track_running_stats):
+        if not _keeps_batch_stats(self, x):
             return super().forward(x)
-        self._check_input_dim(x)
-        self.num_batches_tracked.add_(1)
-        momentum = (
-            1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        )
+        momentum = _count_batch(self, x)
         x_in = x
         device = x.device.type
         if torch.is_autocast_enabled(device):

@@ -31,16 +31,16 @@ def claim(x: Tensor, layer: str) -> tuple[ClampOfNorm, tuple[Tensor, ...]]:
     if source is None:
         raise ValueError(
             f"layer {layer!r}: storage {FROM_NORM!r} rebuilds the conv input from the BatchNorm and ReLU "
-            "right before it, but this input is not the output of a ReLU / ReLU6 / Hardtanh module (exact_companions "
-            "on) of a "
-            "BatchNorm2d (affine, tracking running stats, in training mode) passed to the conv unchanged, or "
-            "the conv runs under torch.compile or autocast with an exact BatchNorm (from_bn is eager only)")
+            "right before it, but this input is not the output of a ReLU / ReLU6 / Hardtanh module "
+            "(exact_companions on) of a BatchNorm2d (affine, tracking running stats, in training mode) passed "
+            "to the conv unchanged, or the conv runs under torch.compile or autocast with an exact BatchNorm "
+            "(from_bn is eager only)")
     norm = source.norm
-    tensors = (source.bits(), norm.mean, norm.invstd, *(r() for r in norm.packed))
-    if any(t is None for t in tensors):
+    saved = (source.bits(), norm.mean, norm.invstd, norm.weight, norm.bias, *(r() for r in norm.packed))
+    if any(t is None for t in saved):
         raise ValueError(f"layer {layer!r}: the BatchNorm / ReLU before it keep no codes to rebuild from "
                          f"(gradient checkpointing drops saved tensors: {FROM_NORM!r} does not combine with it)")
-    return source, (*tensors[:3], norm.weight, norm.bias, *tensors[3:])
+    return source, saved
 
 
 def rebuilt_samples(source: ClampOfNorm, saved: tuple[Tensor, ...], shape: tuple[int, ...]) -> Callable[[int, int], Tensor]:
