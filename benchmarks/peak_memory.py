@@ -12,6 +12,10 @@ batch (and a few more samples) to see that it does.
     python benchmarks/peak_memory.py     # resnet18 (SGD, AdamW), resnet50, mobilenet_v2; b32, b64; 224 px
     python benchmarks/peak_memory.py --runs resnet18:sgd --batches 32 64 --configs stock 2x2
     python benchmarks/peak_memory.py --csv docs/results/peak_memory.csv --plot docs/results/peak_memory.png
+    python benchmarks/peak_memory.py --runs tiny_llama:adamw --seq 256 --batches 8 --configs stock lossy_int8
+
+``--seq N``: causal-LM models (tiny_llama, tiny_gpt2) on token ids (batch, N) of a 256-token vocabulary
+with the next-token loss, instead of images.
 
 The script restarts itself with glibc's mmap threshold fixed (``FIXED_MMAP_ENV``): freed
 tensors then go back to the OS at once, which the resident-memory check needs and which keeps
@@ -39,9 +43,13 @@ CONFIGS: dict[str, dict[str, int | str] | None] = {
     "stock": None, "2x2": {"*": 2}, "4x4": {"*": 4}, "int2+int4bn": {"*": "int2"}, "int1+int2bn": {"*": "int1"},
     # every conv input after BatchNorm + ReLU / ReLU6 rebuilt in backward, not kept (``REBUILT``): exact, and
     # beside the paper's 2x2
-    "exact+from_bn": {}, "2x2+from_bn": {"*": 2}}
+    "exact+from_bn": {}, "2x2+from_bn": {"*": 2},
+    # causal LMs (--seq): every saved tensor int8, the ``lossy_int8`` preset
+    "lossy_int8": {"*": "int8"}}
 REBUILT = ("exact+from_bn", "2x2+from_bn")  # lessmem.core.rebuildable_convs of the model, found on a small batch
-NORM_STORAGE = {"int2+int4bn": "int4", "int1+int2bn": "int2"}  # BatchNorm inputs of the low-bit maps
+NORM_STORAGE = {"int2+int4bn": "int4", "int1+int2bn": "int2", "lossy_int8": "int8"}  # BatchNorm / norm inputs
+OTHER_STORAGES = {"lossy_int8": {"act_storage": "int8", "saved_storage": "int8"}}  # activations, the rest
+VOCAB = 256  # token ids of the causal-LM models (--seq)
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
@@ -55,21 +63,27 @@ MIB = 2**20
 GIB = 2**30
 
 
-def measure(model_name: str, optimizer_name: str, config: str, batch: int, size: int) -> dict:
-    """One row: the peak of a step and its split (MiB), and the resident-memory check."""
+def measure(model_name: str, optimizer_name: str, config: str, batch: int, size: int, seq: int | None = None) -> dict:
+    """One row: the peak of a step and its split (MiB), and the resident-memory check. With ``seq``
+    a causal LM on (batch, seq) token ids, else an image model on (batch, 3, size, size) images."""
     torch.manual_seed(0)
-    model = build_model(model_name, NUM_CLASSES)
+    model = build_model(model_name, VOCAB if seq else NUM_CLASSES)
     mapping = CONFIGS[config]
     if config in REBUILT:
         mapping = {**dict.fromkeys(rebuildable_convs(model, torch.randn(2, 3, 64, 64)), "from_bn"), **mapping}
     if mapping is not None:
-        lessmem.compress(model, mapping, norm_storage=NORM_STORAGE.get(config, "native"))
+        lessmem.compress(model, mapping, norm_storage=NORM_STORAGE.get(config, "native"), **OTHER_STORAGES.get(config, {}))
     optimizer = OPTIMIZERS[optimizer_name](model.parameters())
-    data = (torch.randn(batch, 3, size, size), torch.randint(0, NUM_CLASSES, (batch,)))
-    report = lessmem.measure_step_memory(model, data, optimizer=optimizer)
+    if seq:
+        data = (torch.randint(0, VOCAB, (batch, seq)), torch.randint(0, VOCAB, (batch, seq)))
+        loss_fn = next_token_loss
+    else:
+        data = (torch.randn(batch, 3, size, size), torch.randint(0, NUM_CLASSES, (batch,)))
+        loss_fn = torch.nn.functional.cross_entropy
+    report = lessmem.measure_step_memory(model, data, optimizer=optimizer, loss_fn=loss_fn)
     floor = start_of_backward_bytes(model, optimizer, data[0])
     model.zero_grad(set_to_none=True)  # as measure_step_memory starts its step
-    rss = peak_rss_growth(partial(training_step, model, data, optimizer))
+    rss = peak_rss_growth(partial(training_step, model, data, optimizer, loss_fn))
     del model, optimizer, data
     gc.collect()
     return {
@@ -81,13 +95,17 @@ def measure(model_name: str, optimizer_name: str, config: str, batch: int, size:
     }
 
 
-def start_of_backward_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor) -> int:
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def start_of_backward_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor) -> int:
     """A lower bound on the step's peak that no backward can go under: what is alive when backward
     starts (parameters, optimizer state, the batch, every saved tensor; ``measure_memory``'s
     independent count), before any gradient or backward buffer exists."""
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    return (sum(t.numel() * t.element_size() for t in [*model.parameters(), *state, images])
-            + lessmem.measure_memory(model, images).total_bytes)
+    return (sum(t.numel() * t.element_size() for t in [*model.parameters(), *state, inputs])
+            + lessmem.measure_memory(model, inputs).total_bytes)
 
 
 @dataclass
@@ -161,7 +179,7 @@ def print_batch_fits(fits: dict[tuple[str, str, str], BatchFit], caps: list[floa
 
 
 def check_prediction(run: tuple[str, str], fits: dict[tuple[str, str, str], BatchFit], cap: float,
-                     configs: list[str], size: int) -> None:
+                     configs: list[str], size: int, seq: int | None = None) -> None:
     """Run each configuration at its predicted batch for ``cap`` and at ~5% more: the first
     should fit (peak <= cap), the second not."""
     print(f"\n{run[0]} ({run[1]}): the predicted batch for {cap:g} GiB, measured\n")
@@ -171,7 +189,7 @@ def check_prediction(run: tuple[str, str], fits: dict[tuple[str, str, str], Batc
     for config in configs:
         batch = fits[(*run, config)].max_batch(cap)
         more = batch + max(1, math.ceil(0.05 * batch))
-        at, above = (measure(*run, config, b, size)["peak_mib"] for b in (batch, more))
+        at, above = (measure(*run, config, b, size, seq)["peak_mib"] for b in (batch, more))
         print(f"| {config} | {batch} | {at:.1f} | {'yes' if at <= cap_mib else 'NO'} | {more} | "
               f"{above:.1f} | {'yes' if above > cap_mib else 'NO'} |", flush=True)
 
@@ -215,6 +233,8 @@ def main() -> None:
                                  ("mobilenet_v2", "sgd")])
     parser.add_argument("--batches", nargs="+", type=int, default=[32, 64])
     parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--seq", type=int, default=None,
+                        help=f"causal-LM models: token ids (batch, SEQ) of a {VOCAB}-token vocabulary instead of images")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--caps", nargs="+", type=float, default=[4, 8, 16], help="memory caps in GiB")
     parser.add_argument("--check", type=parse_run, metavar="MODEL:OPTIMIZER",
@@ -224,13 +244,14 @@ def main() -> None:
     parser.add_argument("--plot", help="stacked bars of the split at the peak, PNG")
     args = parser.parse_args()
 
-    print(f"{args.size}x{args.size}, fp32, {NUM_CLASSES} classes, torch {torch.__version__}, CPU; "
+    inputs = f"token ids x {args.seq}, {VOCAB}-token vocabulary" if args.seq else f"{args.size}x{args.size}, {NUM_CLASSES} classes"
+    print(f"{inputs}, fp32, torch {torch.__version__}, CPU; "
           "peak = live tensor bytes (torch profiler); RSS growth = resident memory, unprofiled step")
     rows = []
     for model, opt in args.runs:
         for batch in args.batches:
             for config in args.configs:
-                rows.append(measure(model, opt, config, batch, args.size))
+                rows.append(measure(model, opt, config, batch, args.size, args.seq))
                 print(f"measured {model} {opt} b{batch} {config}: {rows[-1]['peak_mib']:.1f} MiB",
                       file=sys.stderr, flush=True)
     print_peaks(rows)
@@ -239,7 +260,7 @@ def main() -> None:
     if fits:
         print_batch_fits(fits, args.caps)
     if args.check:
-        check_prediction(args.check, fits, args.check_cap, args.configs, args.size)
+        check_prediction(args.check, fits, args.check_cap, args.configs, args.size, args.seq)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))

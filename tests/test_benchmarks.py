@@ -114,6 +114,15 @@ def test_peak_memory_benchmark_tables_fits_check_csv_and_plot(tmp_path: Path, st
 
 
 @pytest.mark.slow
+def test_peak_memory_benchmark_measures_a_causal_lm(stdout_of) -> None:
+    out = stdout_of("peak_memory.py", "--runs", "tiny_llama:adamw", "--seq", "64", "--batches", "4",
+                    "--configs", "stock", "lossy_int8")
+    assert out.startswith("token ids x 64, 256-token vocabulary"), out
+    ratio = re.search(r"^\| tiny_llama \| adamw \| 4 \| lossy_int8 \| [\d.]+ \| ([\d.]+) \| \w+ \|", out, re.M)
+    assert ratio and 0 < float(ratio.group(1)) < 1, out
+
+
+@pytest.mark.slow
 def test_gpu_benchmark_runs_its_cpu_mode_and_writes_markdown(tmp_path: Path, stdout_of) -> None:
     md = tmp_path / "gpu.md"
     out = stdout_of("gpu.py", "--device", "cpu", "--models", "resnet20", "--size", "16", "--batch", "2",

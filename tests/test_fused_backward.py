@@ -320,6 +320,67 @@ def test_sliced_attention_matches_sdpa_on_the_decoded_inputs(storage: str, is_ca
         torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("storage", ["int8_rn", "bf16_rn"])
+def test_attention_sharing_its_output_code_takes_the_flash_backward(storage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``share_output`` the attention keeps its output's code, laid out (B, T, H, d), and the
+    flash kernel's log-sum-exp: the output is SDPA's bit for bit, HF's ``transpose(1, 2).contiguous()``
+    of it is no copy, the out-projection's input finds the same code (``pooled_tokens_once``), and
+    the gradients are the flash backward's on the decoded q, k, v and output with the forward's
+    log-sum-exp (no rerun)."""
+    from lessmem.core.ops.pooling import pooled_tokens_once
+    from lessmem.core.ops.recompute import SlicedAttentionFunction
+
+    monkeypatch.setattr(recompute, "SLICE_ELEMENTS", 2 * 2 * 16 * 32)  # two samples a slice
+    torch.manual_seed(0)
+    q = torch.randn(5, 2, 16, 32, requires_grad=True)
+    kv = torch.randn(5, 16, 2, 2, 32, requires_grad=True)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    grad = torch.randn(5, 2, 16, 32)
+    out = SlicedAttentionFunction.apply(q, k, v, True, None, storage, True)
+    assert torch.equal(out, nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    tokens = out.transpose(1, 2).contiguous()
+    assert tokens.data_ptr() == out.data_ptr()
+    tokens = tokens.reshape(5, 16, 64)
+    packed, meta = pooled_tokens_once(tokens, 1, storage)
+    assert all(torch.equal(a, b) for a, b in zip(packed, pack_tensor(tokens.detach(), storage), strict=True))
+    kept = {t.data_ptr() for t in out.grad_fn.saved_tensors}
+    assert all(t.data_ptr() in kept for t in packed)  # one code for both layers
+    got = torch.autograd.grad(out, (q, kv), grad)
+
+    def decoded(t: torch.Tensor) -> torch.Tensor:
+        return unpack_tensor(pack_tensor(t.detach(), storage), storage, tensor_meta(t))
+
+    ref_q = decoded(q).requires_grad_()
+    ref_kv = torch.stack([decoded(k).transpose(1, 2), decoded(v).transpose(1, 2)], 2).requires_grad_()
+    _, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.detach(), k.detach(), v.detach(), 0.0, True)
+    ref_out = unpack_tensor(packed, storage, meta).view(5, 16, 2, 32).transpose(1, 2)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, ref_q.detach(), ref_kv[:, :, 0].transpose(1, 2).detach(), ref_kv[:, :, 1].transpose(1, 2).detach(),
+        ref_out, lse, 0.0, True)
+    torch.testing.assert_close(got[0], dq, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[1], torch.stack([dk.transpose(1, 2), dv.transpose(1, 2)], 2), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("o_proj", "shared"), [("int8", True), ("int4", False), ("2/int8", False)])
+def test_llama_attention_shares_its_output_code_with_a_like_out_projection(o_proj: str, shared: bool) -> None:
+    """The attention keeps its output's code only where the out-projection keeps its whole input in
+    the same storage; that code is then counted once (saved bytes: the rerun path's plus the
+    log-sum-exp), and training runs either way."""
+    ids = torch.randint(0, 64, (2, 16))
+
+    def saved_bytes(share: bool | None) -> int:
+        model = lessmem.compress(small_llama(), {"*o_proj": o_proj, "*": "int8"}, saved_storage="int8")
+        attention = model.lm.model.layers[0].self_attn
+        assert attention._shares_output("int8") == shared
+        if share is False:
+            attention._shares_output = lambda storage: False
+        report = lessmem.measure_memory(model, ids, loss_fn=lambda out: out.float().pow(2).mean())
+        return report.total_bytes
+
+    lse_bytes = 2 * 2 * 16 * 4  # batch x heads x tokens float32
+    assert saved_bytes(None) == saved_bytes(False) + (lse_bytes if shared else 0)
+
+
 def test_llama_attention_takes_the_sliced_path_with_lossy_saved_tensors() -> None:
     """The attention's q, k, v are kept by ``SlicedAttentionFunction`` where saved tensors are
     lossy, and by SDPA (stock) where they are native."""
@@ -342,25 +403,30 @@ def test_llama_attention_takes_the_sliced_path_with_lossy_saved_tensors() -> Non
     assert attention_nodes("native") == {"ScaledDotProductFlashAttentionForCpuBackward0"}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("storage", ["native", "int8_rn"])
-def test_sliced_recomputed_norm_matches_the_norm_on_the_decoded_input(storage: str,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Llama's RMSNorm kept as its input only, packed and rerun a slice of rows at a time: its
-    gradients are the stock norm's on the decoded input (the weight's summed slice by slice)."""
-    from lessmem.core.ops.recompute import RecomputedRMSNorm, SlicedRecomputedFunction
+def test_sliced_rms_norm_matches_the_norm_on_the_decoded_input(storage: str, dtype: torch.dtype,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama's RMSNorm kept as its input only, packed a slice of rows at a time, its gradient taken
+    from the closed form: output bit for bit the stock norm's, gradients the stock norm's (through
+    autograd) on the decoded input to float rounding; the input itself untouched."""
+    from lessmem.core.ops.recompute import SlicedRMSNormFunction
     from lessmem.core.storage import pack_tensor
 
     monkeypatch.setattr(recompute, "NORM_SLICE_ELEMENTS", 7 * 128)  # 7 rows a slice, the last one shorter
     norm = small_llama().lm.model.layers[0].input_layernorm
     torch.manual_seed(0)
     norm.weight.data.normal_()
-    x = torch.randn(3, 40, 128, requires_grad=True)
-    grad = torch.randn(3, 40, 128)
-    normed = RecomputedRMSNorm._normed.__get__(norm)
-    out = SlicedRecomputedFunction.apply(normed, storage, x, norm.weight)
+    x = torch.randn(3, 40, 128, dtype=dtype, requires_grad=True)
+    before = x.detach().clone()
+    grad = torch.randn(3, 40, 128, dtype=dtype)
+    out = SlicedRMSNormFunction.apply(x, norm.weight, norm.variance_epsilon, storage)
     got = torch.autograd.grad(out, (x, norm.weight), grad)
-    decoded = unpack_tensor(pack_tensor(x.detach(), storage), storage, tensor_meta(x)).requires_grad_()
+    decoded = unpack_tensor(pack_tensor(x.detach(), storage), storage, tensor_meta(x)).detach().requires_grad_()
     expected = torch.autograd.grad(norm(decoded), (decoded, norm.weight), grad)
     assert torch.equal(out, norm(x))
-    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
-    torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(x, before)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == e.dtype
+        torch.testing.assert_close(g, e, rtol=tol, atol=tol)

@@ -71,7 +71,10 @@ def expand_tokens(pooled: Tensor, k: int, tokens: int) -> Tensor:
 
 # Pooled copies of one input shared by several layers (ResNet's conv1 and downsample read the block
 # input; q / k / v and gate / up projections read the same hidden states): the second layer reuses
-# the first one's tensor, so it is stored once.
+# the first one's tensor, so it is stored once. The copies are kept on the tensor whose memory they
+# stand for (a view's base) under the view's geometry, so another view of the same memory, laid out
+# alike, finds them too: a layer that packed its output (``offer_pooled_tokens``) hands its code to
+# the next layer through the views between them.
 _CACHE_ATTR = "_lessmem_pooled"
 
 
@@ -92,19 +95,34 @@ def pooled_tokens_once(x: Tensor, k: int, storage: Storage) -> Packed:
     return _once(x, ("tokens", k, storage), lambda: _packed(pool_tokens(x.detach(), k), storage))
 
 
+def offer_pooled_tokens(x: Tensor, k: int, storage: Storage, packed: Packed) -> None:
+    """Make ``packed`` what ``pooled_tokens_once(x, k, storage)`` returns for ``x`` (or a view of its
+    memory laid out as ``x``) until ``x`` changes: a layer that already packed it thus shares its code."""
+    if not torch.compiler.is_compiling():
+        _cache(x)[_key(x, ("tokens", k, storage))] = packed
+
+
 def _once(x: Tensor, kind: tuple, make: Callable[[], Packed]) -> Packed:
     if torch.compiler.is_compiling():  # the compiler de-duplicates; tensor attributes would break graphs
         return make()
-    key = (*kind, x._version)
-    cache = getattr(x, _CACHE_ATTR, None)
-    if cache is not None and key in cache:
-        return cache[key]
-    packed = make()
-    if cache is None or next(iter(cache))[-1] != x._version:
+    cache, key = _cache(x), _key(x, kind)
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def _key(x: Tensor, kind: tuple) -> tuple:
+    return (*kind, x.data_ptr(), tuple(x.shape), x.stride(), x.dtype)
+
+
+def _cache(x: Tensor) -> dict:
+    """The pooled copies kept for the memory of ``x`` at its current version (a new version drops them)."""
+    holder = x if x._base is None else x._base
+    version, cache = getattr(holder, _CACHE_ATTR, (None, None))
+    if version != x._version:
         cache = {}
-        setattr(x, _CACHE_ATTR, cache)
-    cache[key] = packed
-    return packed
+        setattr(holder, _CACHE_ATTR, (x._version, cache))
+    return cache
 
 
 # Below this many elements a padded copy (one op) is cheaper than edge sums (a few small ops each);

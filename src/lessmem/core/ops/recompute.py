@@ -20,8 +20,9 @@ from torch.overrides import TorchFunctionMode
 
 from lessmem.core.ops.dispatch import ORIGINAL_CLASS_ATTR, needs_saving
 from lessmem.core.ops.linear import CompressedLinear, keeps_stock_path
+from lessmem.core.ops.pooling import offer_pooled_tokens
 from lessmem.core.saved_storage import HOOK_IDS_ATTR, RULE_ATTR, note_packed
-from lessmem.core.storage import pack_tensor, tensor_meta, unpack_tensor
+from lessmem.core.storage import pack_tensor, sliceable, tensor_meta, unpack_samples, unpack_tensor
 
 
 class RecomputedFunction(torch.autograd.Function):
@@ -49,8 +50,9 @@ class RecomputedFunction(torch.autograd.Function):
 
 # Elements of the widest full-size tensor one row slice of the sliced gated MLP holds.
 SLICE_ELEMENTS = 2**17
-# A norm's slice holds fewer tensors (its rerun's and their gradients): twice the rows leave the
-# tiny Llama's whole-step peak where it was (forward, attention), for half the slices.
+# A norm's slice holds fewer tensors (the decoded rows, the normalised rows and their gradient):
+# twice the rows leave the tiny Llama's whole-step peak where it was (forward, attention), for half
+# the slices.
 NORM_SLICE_ELEMENTS = 2 * SLICE_ELEMENTS
 
 
@@ -159,14 +161,27 @@ def _addmm(total: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
 
 class SlicedAttentionFunction(torch.autograd.Function):
     """``F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=...)`` (no mask, no dropout)
-    keeping q, k and v only, packed in ``storage`` a batch slice at a time; backward decodes one
-    slice, reruns the attention on it (``_attention_grads``) and writes that slice's gradients.
-    Neither the output nor a full-size decoded q / k / v is kept or made in backward; forward is
-    the one call, each gradient slice is the attention's own backward on the same decoded values."""
+    keeping q, k and v packed in ``storage`` a batch slice at a time; backward decodes one slice
+    and writes that slice's gradients. No full-size decoded q / k / v is made in backward.
+
+    Two ways to get the attention's backward on the decoded slice:
+
+    - ``share_output`` and SDPA's CPU flash kernel: forward keeps the kernel's log-sum-exp (one
+      float per query and head) and the output packed, laid out (batch, tokens, heads, dim) as the
+      out-projection reads it (HF's ``transpose(1, 2).contiguous()`` is then no copy) and offered
+      to that projection as its own saved input (``offer_pooled_tokens``): one code serves both.
+      Backward calls the flash backward on the decoded q, k, v and output with the forward's
+      log-sum-exp: no rerun. The gradients are the flash backward's at the decoded values, with
+      the row normalization of the exact forward (not a gradient of any one attention: within
+      the codes' error of the rerun's).
+    - else the attention is rerun on the decoded slice (``_attention_grads``): the gradients are
+      the attention's own at the decoded values; nothing but q, k, v is kept.
+
+    Forward is the one attention call either way (the output's values are SDPA's)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None, storage: str):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None, storage: str,
+                share_output: bool = False):
         step = max(1, SLICE_ELEMENTS // max(t[0].numel() for t in (q, k, v)))
         saved, metas = [], []
         for b0 in range(0, q.shape[0], step):
@@ -174,14 +189,32 @@ class SlicedAttentionFunction(torch.autograd.Function):
                 part = t[b0:b0 + step].detach()
                 saved.append(_pack_saved(part, storage))
                 metas.append(tensor_meta(part))
-        ctx.save_for_backward(*(t for p in saved for t in p))
         ctx.counts, ctx.metas, ctx.step = [len(p) for p in saved], metas, step
         ctx.is_causal, ctx.scale, ctx.storage = is_causal, scale, storage
+        ctx.output_meta = None
+        if share_output and _flash_on_cpu(q, k, v, is_causal, scale):
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+            out = out.transpose(1, 2).contiguous()  # (B, T, H, d): the out-projection's layout
+            batch, length, heads, dim = out.shape
+            tokens = out.view(batch, length, heads * dim)  # as the out-projection reads it
+            meta = tensor_meta(tokens)
+            out = out.transpose(1, 2)
+            if sliceable(meta, storage):  # else samples do not start on a code group: rerun
+                packed = _pack_saved(tokens, storage)
+                ctx.output_meta, ctx.output_count, ctx.heads = meta, len(packed), heads
+                offer_pooled_tokens(tokens, 1, storage, (packed, meta))
+                ctx.save_for_backward(lse, *packed, *(t for p in saved for t in p))
+                return out
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+        ctx.save_for_backward(*(t for p in saved for t in p))
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         flat = ctx.saved_tensors
+        if ctx.output_meta is not None:
+            lse, packed_out, flat = flat[0], flat[1:1 + ctx.output_count], flat[1 + ctx.output_count:]
         n = grad_out.shape[0]
         grads = [grad_out.new_empty((n, *ctx.metas[i].shape[1:])) for i in range(3)]
         start = 0
@@ -191,12 +224,24 @@ class SlicedAttentionFunction(torch.autograd.Function):
                 count = ctx.counts[3 * j + i]
                 decoded.append(unpack_tensor(flat[start:start + count], ctx.storage, ctx.metas[3 * j + i]).detach())
                 start += count
-            b0 = j * ctx.step
-            parts = _attention_grads(*decoded, grad_out[b0:b0 + ctx.step], ctx.is_causal, ctx.scale)
+            b0, b1 = j * ctx.step, min(n, (j + 1) * ctx.step)
+            if ctx.output_meta is None:
+                parts = _attention_grads(*decoded, grad_out[b0:b1], ctx.is_causal, ctx.scale)
+            else:
+                out = unpack_samples(packed_out, ctx.storage, ctx.output_meta, b0, b1)
+                out = out.view(b1 - b0, out.shape[1], ctx.heads, -1).transpose(1, 2)
+                parts = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    grad_out[b0:b1], *decoded, out, lse[b0:b1], 0.0, ctx.is_causal, scale=ctx.scale)
+                del out
             del decoded
             for g, part in zip(grads, parts, strict=True):
-                g[b0:b0 + ctx.step] = part
-        return *grads, None, None, None
+                g[b0:b1] = part
+        return *grads, None, None, None, None
+
+
+def _flash_on_cpu(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None) -> bool:
+    """Whether SDPA runs its CPU flash kernel on these inputs (no mask, no dropout)."""
+    return q.device.type == "cpu" and torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale) == _FLASH
 
 
 def _attention_grads(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, is_causal: bool,
@@ -204,7 +249,7 @@ def _attention_grads(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, is_causal: b
     """SDPA's gradients at q, k, v for its output gradient ``grad``. Where SDPA would run its CPU
     flash kernel, that kernel and its backward are called as SDPA's autograd calls them, without
     building a graph (~0.4 ms a call saved); else SDPA reruns under autograd."""
-    if q.device.type == "cpu" and torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale) == _FLASH:
+    if _flash_on_cpu(q, k, v, is_causal, scale):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, is_causal, scale=scale)
@@ -217,46 +262,56 @@ def _attention_grads(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, is_causal: b
 _FLASH = int(SDPBackend.FLASH_ATTENTION)
 
 
-class SlicedRecomputedFunction(torch.autograd.Function):
-    """``fn(x, *params)`` for a function of each row (last dim) of ``x`` on its own (a norm),
-    keeping ``x`` only, packed in ``storage`` a slice of rows at a time; backward decodes one
-    slice, reruns ``fn`` on it under autograd, writes that slice's input gradient and adds up
-    the parameters' gradients (slice partial sums: another float summation order)."""
+class SlicedRMSNormFunction(torch.autograd.Function):
+    """HF Llama's RMSNorm, ``weight * (x * rsqrt(mean(x^2) + eps))`` over the last dim, keeping
+    ``x`` only, packed in ``storage`` a slice of rows at a time; backward decodes one slice and
+    writes that slice's input gradient from the norm's closed form,
+    r * (dh - h * mean(dh * h)) with r = rsqrt(mean(x^2) + eps), h = x * r, dh = grad * weight,
+    and adds up the weight's gradient (slice partial sums). The output is the stock formula's, bit
+    for bit; the gradients are the norm's at the decoded input, to float rounding (the formula's
+    terms in another order than autograd's through the stock ops: ~1e-7 relative), in a third of
+    the time a rerun under autograd takes."""
 
     @staticmethod
-    def forward(ctx, fn: Callable[..., Tensor], storage: str, x: Tensor, *params: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float, storage: str) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
         step = max(1, NORM_SLICE_ELEMENTS // rows.shape[1])
-        saved = [_pack_saved(rows[r0:r0 + step].detach(), storage) for r0 in range(0, rows.shape[0], step)]
-        ctx.save_for_backward(*params, *(t for p in saved for t in p))
-        ctx.counts, ctx.metas = [len(p) for p in saved], [tensor_meta(rows[r0:r0 + step]) for r0 in
-                                                           range(0, rows.shape[0], step)]
-        ctx.fn, ctx.storage, ctx.step, ctx.n_params, ctx.shape = fn, storage, step, len(params), x.shape
-        return fn(x, *params)
+        starts = range(0, rows.shape[0], step)
+        saved = [_pack_saved(rows[r0:r0 + step].detach(), storage) for r0 in starts]
+        ctx.save_for_backward(weight, *(t for p in saved for t in p))
+        ctx.counts, ctx.metas = [len(p) for p in saved], [tensor_meta(rows[r0:r0 + step]) for r0 in starts]
+        ctx.storage, ctx.step, ctx.eps, ctx.shape = storage, step, eps, x.shape
+        return rms_norm(x, weight, eps)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        saved = ctx.saved_tensors  # once: checkpointing's hooks unpack a tensor only once
-        params, flat = saved[:ctx.n_params], saved[ctx.n_params:]
-        wanted = ctx.needs_input_grad[3:]
+        weight, *flat = ctx.saved_tensors  # once: checkpointing's hooks unpack a tensor only once
         grad_rows = grad.reshape(-1, grad.shape[-1])
-        dx = grad_rows.new_empty(grad_rows.shape[0], ctx.shape[-1]) if ctx.needs_input_grad[2] else None
-        param_grads: list[Tensor | None] = [None] * len(params)
+        dx = grad_rows.new_empty(grad_rows.shape[0], ctx.shape[-1]) if ctx.needs_input_grad[0] else None
+        dw = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, grad.dtype)) if ctx.needs_input_grad[1] else None
         start = 0
         for j, (count, meta) in enumerate(zip(ctx.counts, ctx.metas, strict=True)):
-            rows = unpack_tensor(flat[start:start + count], ctx.storage, meta).detach().requires_grad_(dx is not None)
+            rows = unpack_tensor(flat[start:start + count], ctx.storage, meta)
             start += count
-            leaves = [p.detach().requires_grad_(w) for p, w in zip(params, wanted, strict=True)]
-            with torch.enable_grad():
-                out = ctx.fn(rows, *leaves)
-            asked = [t for t in (rows, *leaves) if t.requires_grad]
-            got = iter(torch.autograd.grad(out, asked, grad_rows[j * ctx.step:(j + 1) * ctx.step]))
+            g = grad_rows[j * ctx.step:(j + 1) * ctx.step]
+            h = rows.to(torch.float32)
+            r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + ctx.eps)
+            h = h * r  # not in place: native storage decodes to the saved input itself
+            if dw is not None:
+                dw.add_((g * h.to(rows.dtype)).sum(0))
             if dx is not None:
-                dx[j * ctx.step:(j + 1) * ctx.step] = next(got)
-            for i, w in enumerate(wanted):
-                if w:
-                    param_grads[i] = _add(param_grads[i], next(got))
-        return None, None, dx.view(ctx.shape) if dx is not None else None, *param_grads
+                dh = (g * weight).to(torch.float32)
+                mean = (dh * h).mean(-1, keepdim=True)
+                torch.mul(dh.sub_(h.mul_(mean)), r, out=dx[j * ctx.step:(j + 1) * ctx.step])
+        return (dx.view(ctx.shape) if dx is not None else None,
+                dw.to(weight.dtype) if dw is not None else None, None, None)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF Llama's RMSNorm forward, op for op."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 def _recomputed(fn: Callable[..., Tensor], *inputs: Tensor) -> Tensor:
@@ -335,46 +390,52 @@ def _only_saved_storage_hooks(module: nn.Module) -> bool:
 
 class RecomputedRMSNorm(nn.Module):
     """HF Llama's RMSNorm where saved tensors are lossy (``saved_storage``): keeps its input only
-    (stock keeps the normalised input as well), packed a slice of rows at a time, and reruns its
-    formula on each decoded slice in backward. With native saved tensors the stock forward runs
-    (a rerun sums the input's gradient terms in another order: not bit for bit)."""
+    (stock keeps the normalised input as well), packed a slice of rows at a time, and takes its
+    gradient slice by slice from the decoded input (``SlicedRMSNormFunction``). With native saved
+    tensors the stock forward runs (the closed-form backward sums the input gradient's terms in
+    another order: not bit for bit)."""
 
     weight: nn.Parameter
     variance_epsilon: float
-
-    def _normed(self, x: Tensor, weight: Tensor) -> Tensor:
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return weight * h.to(x.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         storage = self.__dict__.get(RULE_ATTR, ("native",))[0]
         if storage == "native" or not needs_saving(x, self) or torch.compiler.is_compiling():
             return self.__dict__[ORIGINAL_CLASS_ATTR].forward(self, x)
-        return SlicedRecomputedFunction.apply(self._normed, storage, x, self.weight)
+        return SlicedRMSNormFunction.apply(x, self.weight, self.variance_epsilon, storage)
 
 
 class SlicedSDPAttention(nn.Module):
     """An HF attention module (Llama's) whose saved tensors are lossy (``saved_storage``): its own
     forward runs, with its ``F.scaled_dot_product_attention`` call (no mask, no dropout) taken by
-    ``SlicedAttentionFunction``, which keeps q, k, v packed and no output, and decodes them a
-    batch slice at a time in backward. With native saved tensors the stock call runs."""
+    ``SlicedAttentionFunction``, which keeps q, k, v packed and decodes them a batch slice at a
+    time in backward. Where the out-projection keeps its input whole in the same storage, the
+    attention packs its output for both (no rerun in backward, no second code). With native saved
+    tensors the stock call runs."""
+
+    o_proj: nn.Module
 
     def forward(self, *args, **kwargs):
         stock = partial(self.__dict__[ORIGINAL_CLASS_ATTR].forward, self)
         storage = self.__dict__.get(RULE_ATTR, ("native",))[0]
         if storage == "native" or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return stock(*args, **kwargs)
-        with _SlicedAttention(storage):
+        with _SlicedAttention(storage, self._shares_output(storage)):
             return stock(*args, **kwargs)
+
+    def _shares_output(self, storage: str) -> bool:
+        """Whether the out-projection keeps its input as ``storage`` codes of the whole of it (a lessmem
+        token linear, k = 1, that storage): then it keeps the code the attention packs of its output."""
+        proj = getattr(self, "o_proj", None)
+        return isinstance(proj, CompressedLinear) and proj.lessmem_spec.kernel[0] == 1 and proj.lessmem_spec.storage == storage
 
 
 class _SlicedAttention(TorchFunctionMode):
     """Routes the supported ``F.scaled_dot_product_attention`` calls to ``SlicedAttentionFunction``."""
 
-    def __init__(self, storage: str) -> None:
+    def __init__(self, storage: str, share_output: bool) -> None:
         super().__init__()
-        self.storage = storage
+        self.storage, self.share_output = storage, share_output
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -387,5 +448,5 @@ class _SlicedAttention(TorchFunctionMode):
                     and q.dim() == 4 and q.shape[0] == k.shape[0] == v.shape[0]
                     and any(t.requires_grad for t in (q, k, v))):
                 return SlicedAttentionFunction.apply(q, k, v, bool(kwargs.get("is_causal", False)),
-                                                     kwargs.get("scale"), self.storage)
+                                                     kwargs.get("scale"), self.storage, self.share_output)
         return func(*args, **kwargs)
