@@ -402,6 +402,22 @@ def test_shared_input_is_pooled_once():
     assert lessmem.measure_memory(model, x).total_bytes == 2 * 4 * 4 * 4 * 4
 
 
+def test_pooled_copies_are_shared_by_views_of_one_memory_laid_out_alike():
+    """The pooled-copy cache lives on a view's base under the view's geometry: another view of the same
+    memory and layout finds the copy, a view laid out otherwise or a changed tensor does not."""
+    from lessmem.core.ops.pooling import pooled_tokens_once
+
+    base = torch.randn(2, 4, 3, 8)
+    first = pooled_tokens_once(base.view(2, 4, 24), 1, "int8")
+    assert pooled_tokens_once(base.view(2, 4, 24), 1, "int8") is first  # another view object, same layout
+    assert pooled_tokens_once(base.reshape(2, 4, 24), 2, "int8") is not first  # another kind
+    assert pooled_tokens_once(base.view(8, 24), 1, "int8") is not first  # another shape
+    assert pooled_tokens_once(base.transpose(1, 2).reshape(2, 3, 32), 1, "int8")[1].shape == (2, 3, 32)
+    base.add_(1)  # a new version: every copy of the old values is dropped
+    again = pooled_tokens_once(base.view(2, 4, 24), 1, "int8")
+    assert again is not first and not torch.equal(again[0][1], first[0][1])
+
+
 def test_resnet18_saves_what_the_issue_targets():
     model = torchvision.models.resnet18()
     x = torch.randn(2, 3, 224, 224)

@@ -379,6 +379,9 @@ def test_llama_attention_shares_its_output_code_with_a_like_out_projection(o_pro
 
     lse_bytes = 2 * 2 * 16 * 4  # batch x heads x tokens float32
     assert saved_bytes(None) == saved_bytes(False) + (lse_bytes if shared else 0)
+    frozen = lessmem.compress(small_llama(), {"*o_proj": o_proj, "*": "int8"}, saved_storage="int8")
+    frozen.lm.model.layers[0].self_attn.o_proj.weight.requires_grad_(False)
+    assert not frozen.lm.model.layers[0].self_attn._shares_output("int8")  # it would keep no code to share
 
 
 def test_llama_attention_takes_the_sliced_path_with_lossy_saved_tensors() -> None:

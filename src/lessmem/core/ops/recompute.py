@@ -425,9 +425,11 @@ class SlicedSDPAttention(nn.Module):
 
     def _shares_output(self, storage: str) -> bool:
         """Whether the out-projection keeps its input as ``storage`` codes of the whole of it (a lessmem
-        token linear, k = 1, that storage): then it keeps the code the attention packs of its output."""
+        token linear, k = 1, that storage, a weight that trains): then it keeps the code the attention
+        packs of its output, and keeping it costs the attention nothing more."""
         proj = getattr(self, "o_proj", None)
-        return isinstance(proj, CompressedLinear) and proj.lessmem_spec.kernel[0] == 1 and proj.lessmem_spec.storage == storage
+        return (isinstance(proj, CompressedLinear) and proj.weight.requires_grad
+                and proj.lessmem_spec.kernel[0] == 1 and proj.lessmem_spec.storage == storage)
 
 
 class _SlicedAttention(TorchFunctionMode):
