@@ -151,6 +151,33 @@ def test_misuse_names_the_layer(model, mapping, norm_storage: str, match: str) -
         net(torch.randn(2, 4 if isinstance(net, Tampered) else 3, 8, 8))
 
 
+@pytest.mark.parametrize(("padding", "mode", "accepted"), [
+    ("same", "zeros", True), ("valid", "zeros", True), ((1, 1), "zeros", True), ((1, 1), "reflect", False),
+])
+def test_from_bn_takes_symmetric_zero_padding(padding, mode: str, accepted: bool) -> None:
+    """'same' with an odd kernel pads alike on both sides: the rebuilt input is the conv's own, and the
+    weight gradient is the module path's to rounding; other padding modes are a clear error."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                        nn.Conv2d(4, 8, 3, padding=padding, padding_mode=mode))
+    ref = copy.deepcopy(net)
+    x = torch.randn(2, 3, 8, 8)
+    compress(net, {"3": "from_bn"})
+    if not accepted:
+        with pytest.raises(ValueError, match=f"layer '3'.*{mode}"):
+            net(x)
+        return
+    net(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    torch.testing.assert_close(net[3].weight.grad, ref[3].weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_from_bn_refuses_asymmetric_same_padding() -> None:
+    net = compress(nn.Sequential(nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 8, 2, padding="same")), {"2": "from_bn"})
+    with pytest.raises(ValueError, match="layer '2'.*'same'"):
+        net(torch.randn(2, 4, 8, 8))
+
+
 def test_from_bn_is_a_conv_kernel_1_option() -> None:
     assert str(parse_spec("c", "from_bn")) == "1x1/from_bn"
     assert parse_spec("c", {"kernel": 1, "storage": "from_bn"}) == parse_spec("c", "1/from_bn")
@@ -236,8 +263,8 @@ def test_rebuildable_convs_are_those_after_batchnorm_and_a_clamp() -> None:
     from lessmem.core import rebuildable_convs
 
     x = torch.randn(2, 3, 32, 32)
-    assert rebuildable_convs(build_model("resnet20", 10), x) == \
-        ["layer1.0.conv1"] + [f"layer{s}.{b}.conv2" for s in (1, 2, 3) for b in range(3)]
+    assert rebuildable_convs(build_model("resnet20", 10), x) == {"layer1.0.conv1": "bn1"} | {
+        f"layer{s}.{b}.conv2": f"layer{s}.{b}.bn1" for s in (1, 2, 3) for b in range(3)}
     found = rebuildable_convs(build_model("mobilenet_v2", 10), x)  # after BatchNorm + ReLU6: depthwise and projection
     assert "features.2.conv.1.0" in found and "features.2.conv.2" in found and "features.2.conv.0.0" not in found
 

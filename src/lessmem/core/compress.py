@@ -157,23 +157,29 @@ def _note_exact_norms(model: nn.Module) -> nn.Module:
     return model
 
 
-def rebuildable_convs(model: nn.Module, inputs: Tensor | tuple[Tensor, ...]) -> list[str]:
-    """The convs of ``model`` that can take ``"from_bn"``: those whose input is a ReLU / ReLU6 /
-    Hardtanh output of a BatchNorm2d, passed unchanged (found by one training-mode forward of
-    ``inputs`` through an exactly compressed copy; ``model`` is not changed). A map
-    ``dict.fromkeys(rebuildable_convs(model, x), "from_bn")`` rebuilds them all."""
+def rebuildable_convs(model: nn.Module, inputs: Tensor | tuple[Tensor, ...]) -> dict[str, str]:
+    """The convs of ``model`` that can take ``"from_bn"``, each with the BatchNorm2d it rebuilds its
+    input from: those whose input is a ReLU / ReLU6 / Hardtanh output of a BatchNorm2d, passed
+    unchanged (found by one training-mode forward of ``inputs`` through an exactly compressed copy;
+    ``model`` is not changed). A map ``dict.fromkeys(rebuildable_convs(model, x), "from_bn")``
+    rebuilds them all."""
     probe = _note_exact_norms(compress(copy.deepcopy(model), None).train())
-    found: list[str] = []
+    norms = {id(m.weight): n for n, m in probe.named_modules() if isinstance(m, nn.BatchNorm2d)}
+    found: dict[str, str] = {}
 
     def check(name: str) -> Callable[..., None]:
-        return lambda module, args: found.append(name) if noted(args[0], ClampOfNorm) is not None else None
+        def read(module: nn.Module, args: tuple) -> None:
+            source = noted(args[0], ClampOfNorm)
+            if source is not None:
+                found.setdefault(name, norms[id(source.norm.weight)])
+        return read
 
     hooks = [m.register_forward_pre_hook(check(n)) for n, m in probe.named_modules() if isinstance(m, nn.Conv2d)]
     with torch.enable_grad():
         probe(*(inputs if isinstance(inputs, tuple) else (inputs,)))
     for hook in hooks:
         hook.remove()
-    return list(dict.fromkeys(found))
+    return found
 
 
 def storable_layers(model: nn.Module) -> dict[str, list[str]]:

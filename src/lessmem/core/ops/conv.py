@@ -263,14 +263,18 @@ class CompressedConv2d(nn.Conv2d):
             return PooledConv2dFunction.apply(*args)
 
     def _rebuilt_input_forward(self, x: Tensor) -> Tensor:
-        name, padding = getattr(self, "lessmem_name", type(self).__name__), self.padding
-        if self.padding_mode != "zeros" or isinstance(padding, str) and padding != "valid":
-            raise ValueError(f"layer {name!r}: storage {FROM_NORM!r} takes integer (or 'valid') zero padding only")
+        name, padding, symmetric = getattr(self, "lessmem_name", type(self).__name__), self.padding, True
+        if isinstance(padding, str):
+            padded, padding = _explicit_padding(x, padding, self.kernel_size, self.dilation)
+            symmetric = padded is x  # else the conv reads a padded copy, not the input rebuilt
+        if self.padding_mode != "zeros" or not symmetric:
+            raise ValueError(f"layer {name!r}: storage {FROM_NORM!r} takes zero padding the same on both sides "
+                             f"(integers, 'valid', or 'same' with an odd kernel); this conv pads {self.padding!r} "
+                             f"({self.padding_mode})")
         found = claim(x, name)  # on x itself: autocast's cast below is another tensor
         x, w, b = autocast_cast(x, self.weight, self.bias)
         with torch.autocast(x.device.type, enabled=False):
-            return RebuiltInputConv2dFunction.apply(x, w, b, self.stride, (0, 0) if padding == "valid" else padding,
-                                                    self.dilation, self.groups, found)
+            return RebuiltInputConv2dFunction.apply(x, w, b, self.stride, padding, self.dilation, self.groups, found)
 
 
 def _explicit_padding(x: Tensor, mode: str, kernel, dilation) -> tuple[Tensor, tuple[int, int]]:
