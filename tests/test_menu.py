@@ -30,7 +30,14 @@ STORAGES = ("native", "bf16", "int8", "int4", "bf16_rn", "int8_rn")
 
 @pytest.fixture(scope="module")
 def menu() -> MenuResult:
-    options = MenuOptions(kernels=KERNELS, storages=STORAGES, norm_storages=("bf16", "int8", "int2"))
+    options = MenuOptions(kernels=KERNELS, storages=STORAGES, norm_storages=("bf16", "int8", "int2"), from_bn=False)
+    return measure_menu(tiny_cnn().train(), batches(), options)
+
+
+@pytest.fixture(scope="module")
+def joint_menu() -> MenuResult:
+    """The default menu's from_bn: 3.conv2 reads ReLU(3.bn1) alone, so the two choose together."""
+    options = MenuOptions(kernels=(1, 2), storages=("native", "int8", "int2"), norm_storages=("int8", "int2"))
     return measure_menu(tiny_cnn().train(), batches(), options)
 
 
@@ -49,6 +56,53 @@ def test_items_cover_convs_and_norms(menu: MenuResult) -> None:
     conv = next(i for i in menu.items if i.name == "3.conv2")
     assert conv.options[:3] == ["1", "bf16", "int8"] and "2/int4" in conv.options
     assert conv.mean("grad_error")[0] == 0.0 and all(v > 0 for v in conv.mean("grad_error")[1:])
+
+
+def test_a_conv_after_batchnorm_and_relu_chooses_with_it(joint_menu: MenuResult, menu: MenuResult) -> None:
+    """A norm_conv item per conv that can rebuild its input (3.conv2 from 3.bn1; 3.conv1 and 3.down
+    share theirs: not offered): every BatchNorm storage with every conv option, and with from_bn,
+    which from an exact BatchNorm keeps nothing of the conv's and is exact to rounding."""
+    kinds = {(i.name, i.kind) for i in joint_menu.items}
+    assert ("3.conv2", "norm_conv") in kinds and ("1", "norm") in kinds and ("3.conv1", "conv") in kinds
+    assert not any(i.name == "3.bn1" for i in joint_menu.items)
+    joint = next(i for i in joint_menu.items if i.kind == "norm_conv")
+    assert joint.partner == "3.bn1" and joint.exact_option == "native|1"
+    assert {"native|1", "int2|2/int8", "native|from_bn", "int8|from_bn", "int2|from_bn"} <= set(joint.options)
+    exact, rebuilt = joint.index("native|1"), joint.index("native|from_bn")
+    apart = {i.name: i for i in menu.items}  # the same model and batches, measured without from_bn
+    conv_bytes, norm_bytes = apart["3.conv2"].nbytes[0], apart["3.bn1"].nbytes[0]
+    assert (joint.nbytes[exact], joint.nbytes[rebuilt]) == (norm_bytes + conv_bytes, norm_bytes)
+    assert joint.mean("grad_error")[rebuilt] < 1e-10 < joint.mean("grad_error")[joint.index("int2|from_bn")]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_predicted_bytes_of_maps_with_from_bn_equal_measured(joint_menu: MenuResult, seed: int) -> None:
+    """Random choices of every item, from_bn included: the map written back (the conv part to the map,
+    the BatchNorm part to norm_storage) saves what the menu predicts, byte for byte, and reads back
+    as the same choices."""
+    rng = random.Random(seed)
+    chosen = {i.name: rng.choice(i.options) for i in joint_menu.items}
+    chosen["3.conv2"] = rng.choice(["native|from_bn", "int8|from_bn", "int2|from_bn"])
+    for i in joint_menu.items:  # the layers reading one tensor agree
+        if i.group is not None:
+            chosen[i.name] = chosen[next(j.name for j in joint_menu.items if j.group == i.group)]
+    choice = joint_menu.choice_of(chosen)
+    assert choice.map["3.conv2"] == "from_bn"
+    assert joint_menu.options_of(choice.map, choice.norm_storage) == chosen
+    x = batches()[0][0]
+    model = lessmem.compress(tiny_cnn().train(), choice.map, norm_storage=choice.norm_storage)
+    assert choice.score["bytes"] == lessmem.measure_memory(model, x).total_bytes
+
+
+def test_the_knapsack_rebuilds_where_bytes_are_short(joint_menu: MenuResult) -> None:
+    """Below what the menu reaches without from_bn the knapsack must rebuild; the uniform maps
+    set the BatchNorm part of a norm_conv item too."""
+    without = joint_menu.least_ratio()
+    assert joint_menu.make_map(1.0).score["bytes"] == joint_menu.score(None)["bytes"]
+    tight = joint_menu.make_map(without * 1.02)
+    assert tight.score["ratio"] <= without * 1.02
+    uniform = joint_menu.uniform_choice("int8", "int2")
+    assert uniform.map["3.conv2"] == "int8" and uniform.norm_storage == {"1": "int2", "3.bn1": "int2"}
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -237,7 +291,7 @@ def test_cli_menu_writes_measurement_and_a_map_a_run_can_use(tmp_path, run_cli, 
                      "sensitivity.budget=0.2", f"sensitivity.out={out}")
     assert result.status == 0, result.stderr
     menu = MenuResult.load(out)
-    assert {i.kind for i in menu.items} == {"conv", "norm"} and menu.meta["weights"] == "random init"
+    assert {i.kind for i in menu.items} == {"conv", "norm", "norm_conv"} and menu.meta["weights"] == "random init"
     mapping, norm, _, _ = read_map_yaml(out / "menu_resnet20.yaml")
     assert menu.score(mapping, norm)["ratio"] <= 0.2
     cfg = compose(*tiny, f"compression.map_file={out / 'menu_resnet20.yaml'}")

@@ -177,7 +177,7 @@ def test_adaptive_schedule_reassigns_kernels_within_budget(tmp_path: Path, make_
     out = tmp_path / "adaptive"
     metrics = run(make_cfg(out, "adaptive.every=1", "adaptive.budget=0.6", "adaptive.probe_batch=16",
                            "adaptive.storages=[native]", "adaptive.norm_storages=[]", "adaptive.act_storages=[]",
-                           "compression=none"))
+                           "adaptive.from_bn=false", "compression=none"))
     changes = [json.loads(line) for line in (out / "adaptive.jsonl").read_text().splitlines()]
     assert [c["epoch"] for c in changes] == [0, 1]  # epochs=2, re-measured every epoch
     for c in changes:

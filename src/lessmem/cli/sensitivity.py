@@ -18,7 +18,7 @@ from pathlib import Path
 from lessmem.cli.errors import command_args, exit_on_user_error
 from lessmem.experiment import compose_config
 from lessmem.search import check_criterion, measure_config_menu, write_menu_files
-from lessmem.sensitivity import MAP_KINDS, MenuResult
+from lessmem.sensitivity import JOINT_KIND, MAP_KINDS, MenuResult
 
 # Uniform options the summary prints (conv spec, BatchNorm storage), those the menu measured.
 UNIFORM = [("2", "native"), ("4", "native"), ("int8", "native"), ("int8", "int8"), ("2/int4", "native"),
@@ -26,7 +26,9 @@ UNIFORM = [("2", "native"), ("4", "native"), ("int8", "native"), ("int8", "int8"
 
 
 def _print_menu(result: MenuResult) -> None:
-    print(f"items: {len(result.items)} ({sum(i.kind in MAP_KINDS for i in result.items)} layer inputs), "
+    joint = sum(i.kind == JOINT_KIND for i in result.items)
+    print(f"items: {len(result.items)} ({sum(i.kind in MAP_KINDS for i in result.items) + joint} layer inputs, "
+          f"{joint} of them choosing with their BatchNorm: from_bn), "
           f"batches: {result.meta['batches']}; stock saved bytes {result.stock_bytes:,d}")
     print(f"  {'conv':>8} {'norm':>7}  {'ratio':>6}  {'grad_error':>10}  {'cosine':>7}")
     for conv, norm in UNIFORM:

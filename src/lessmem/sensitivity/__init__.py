@@ -8,7 +8,7 @@ from lessmem.sensitivity.budget_plan import PlanRow, plan_batches
 from lessmem.sensitivity.byte_sizes import format_bytes, parse_bytes
 from lessmem.sensitivity.fit import BudgetChoice, NoFit, budget_profile, fit
 from lessmem.sensitivity.io import read_map_yaml, write_map_yaml
-from lessmem.sensitivity.items import MAP_KINDS, MenuItem, option_name
+from lessmem.sensitivity.items import JOINT_KIND, MAP_KINDS, MenuItem, joint_option, option_name
 from lessmem.sensitivity.menu import CRITERIA, DEFAULT_CRITERION, MapChoice, MenuResult
 from lessmem.sensitivity.menu_measure import measure_menu
 from lessmem.sensitivity.menu_options import DEFAULT_KERNELS, LOSSY_STORAGES, MenuOptions
@@ -25,12 +25,14 @@ __all__ = [
     "CRITERIA",
     "DEFAULT_CRITERION",
     "DEFAULT_KERNELS",
+    "JOINT_KIND",
     "LOSSY_STORAGES",
     "MAP_KINDS",
     "MapChoice",
     "MenuItem",
     "MenuOptions",
     "MenuResult",
+    "joint_option",
     "measure_menu",
     "option_name",
     "read_map_yaml",

@@ -8,6 +8,22 @@ import numpy as np
 
 # Item kinds the compression map addresses (the others take norm_storage / act_storage / saved_storage).
 MAP_KINDS = ("conv", "linear")
+# A conv that can rebuild its input from the BatchNorm before it (``"from_bn"``) and that BatchNorm,
+# choosing together: the rebuilt input's error depends on the BatchNorm's storage. Its options are
+# ``joint_option(BatchNorm storage, conv option)``; the map takes the conv part, norm_storage the other.
+JOINT_KIND = "norm_conv"
+FROM_BN = "from_bn"
+
+
+def joint_option(norm: str, conv: str) -> str:
+    """A norm_conv item's option: ``"int2|from_bn"``, ``"native|2/int4"``."""
+    return f"{norm}|{conv}"
+
+
+def split_joint(option: str) -> tuple[str, str]:
+    """(BatchNorm storage, conv option) of a norm_conv item's option."""
+    norm, _, conv = option.partition("|")
+    return norm, conv
 
 def option_name(kernel: int, storage: str) -> str:
     """How a conv option is written in a map: ``"2"``, ``"2/int4"``, ``"int4"`` (kernel 1)."""
@@ -19,15 +35,18 @@ def option_name(kernel: int, storage: str) -> str:
 @dataclass
 class MenuItem:
     name: str
-    kind: str  # "conv" | "linear" (token-pooling linear) | "norm" | "act" | "saved" (a module's own saves)
+    kind: str  # "conv" | "linear" (token-pooling linear) | "norm" | "act" | "saved" (a module's own saves) | "norm_conv"
     options: list[str]
     nbytes: list[int]  # per option
     criteria: dict[str, list[list[float]]]  # criterion -> per batch -> per option
     group: int | None = None  # conv items reading one tensor share a group id
     shielded: bool = False  # a "saved" item whose module has children (kept native by its rule)
+    partner: str | None = None  # a norm_conv item (named by its conv): the BatchNorm it chooses with
 
     @property
     def exact_option(self) -> str:
+        if self.kind == JOINT_KIND:
+            return joint_option("native", "1")
         return "1" if self.kind in MAP_KINDS else "native"
 
     def mean(self, criterion: str) -> list[float]:

@@ -37,7 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from lessmem.core import first_match, parse_spec
-from lessmem.sensitivity.items import MAP_KINDS, MenuItem, option_name
+from lessmem.sensitivity.items import (
+    JOINT_KIND,
+    MAP_KINDS,
+    MenuItem,
+    joint_option,
+    option_name,
+    split_joint,
+)
 from lessmem.sensitivity.knapsack import least_value_choice
 from lessmem.sensitivity.menu_plot import plot_menu
 from lessmem.sensitivity.regions import region_rule
@@ -85,13 +92,18 @@ class MenuResult:
         conv_rule = _conv_rule(mapping or {})
         rules = {"conv": conv_rule, "linear": conv_rule, "norm": _storage_rule(norm_storage),
                  "act": _storage_rule(act_storage), "saved": _storage_rule(saved_storage)}
+
+        def option(name: str, kind: str, exact: str) -> str:
+            pattern = first_match(name, rules[kind])
+            return exact if pattern is None else rules[kind][pattern]
+
         chosen = {}
         for item in self.items:
-            rule = rules[item.kind]
-            pattern = first_match(item.name, rule)
-            option = item.exact_option if pattern is None else rule[pattern]
-            item.index(option)
-            chosen[item.name] = option
+            if item.kind == JOINT_KIND:  # the conv's option by the map, its BatchNorm's by norm_storage
+                chosen[item.name] = joint_option(option(str(item.partner), "norm", "native"), option(item.name, "conv", "1"))
+            else:
+                chosen[item.name] = option(item.name, item.kind, item.exact_option)
+            item.index(chosen[item.name])
         return chosen
 
     def score(self, mapping: Mapping[str, Any] | None, norm_storage: StorageRule = "native",
@@ -157,8 +169,11 @@ class MenuResult:
     def choice_of(self, chosen: Mapping[str, str]) -> MapChoice:
         """The map (compress options) giving each item its option in ``chosen`` (item name ->
         option; items reading one tensor must agree), and its score."""
+        joint = {i.name: (str(i.partner), *split_joint(chosen[i.name])) for i in self.items if i.kind == JOINT_KIND}
         conv = {i.name: chosen[i.name] for i in self.items if i.kind in MAP_KINDS}
+        conv |= {name: conv_option for name, (_, _, conv_option) in joint.items()}
         norm = {i.name: chosen[i.name] for i in self.items if i.kind == "norm" and chosen[i.name] != "native"}
+        norm |= {bn: storage for bn, storage, _ in joint.values() if storage != "native"}
         act = {i.name: chosen[i.name] for i in self.items if i.kind == "act" and chosen[i.name] != "native"}
         saved = region_rule({i.name: chosen[i.name] for i in self.items if i.kind == "saved"},
                             {i.name: i.shielded for i in self.items if i.kind == "saved"})
@@ -172,8 +187,10 @@ class MenuResult:
         chosen = self.options_of({"*": conv})
         for item in self.items:
             if item.kind in kinds:
-                item.index(kinds[item.kind])
                 chosen[item.name] = kinds[item.kind]
+            elif item.kind == JOINT_KIND:
+                chosen[item.name] = joint_option(norm, split_joint(chosen[item.name])[1])
+            item.index(chosen[item.name])
         return self.choice_of(chosen)
 
     def uniform(self, conv: str, norm: str = "native", act: str = "native", saved: str = "native") -> dict[str, float]:

@@ -25,6 +25,7 @@ from lessmem.core import (
     kept_by_graph,
     load_rounding_state,
     measure_memory,
+    rebuildable_convs,
     rounding_state,
     storable_layers,
     stored_bytes,
@@ -35,7 +36,7 @@ from lessmem.sensitivity.geometry import (
     TokenLinearLayer,
     sensitivity_layers,
 )
-from lessmem.sensitivity.items import MenuItem, option_name
+from lessmem.sensitivity.items import FROM_BN, JOINT_KIND, MenuItem, joint_option, option_name
 from lessmem.sensitivity.menu import CRITERIA, MenuResult
 from lessmem.sensitivity.menu_options import DEFAULT_MENU, MenuOptions
 from lessmem.sensitivity.regions import region_candidates, region_groups, region_rule
@@ -81,6 +82,7 @@ def measure_menu(
     device = params[0].device
     state, first = rounding_state(), None
     probe_stats: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
+    pairs: dict[str, str] = {}  # conv -> the BatchNorm it can rebuild its input from (norm_conv items)
     n_batches = 0
     try:
         for batch_no, batch in enumerate(batches):
@@ -98,8 +100,12 @@ def measure_menu(
                     items_named = {*(layer.name for layer in layers), *reach["norm_storage"], *reach["act_storage"]}
                     regions, units, region_bytes = _saved_regions(net, x, items_named, lossy_saved, probe_delta)
                     probes += [("saved", n, s) for n in units for s in lossy_saved]
+                if menu.from_bn:
+                    pairs = _rebuildable_pairs(net, x, recorder, reach["norm_storage"])
+                    norm_options = ["native", *(s for s in menu.norm_storages if s != "native")]
+                    probes += [(FROM_BN, conv, s) for conv in pairs for s in norm_options]
             for kind, name, storage in probes:
-                _apply_probe(net, kind, name, storage, regions, units)
+                _apply_probe(net, kind, name, storage, regions, units, pairs)
                 count = batch_no == 0 and kind != "saved"  # measured, not assumed: a companion may keep the input anyway
                 approx, saved = _flat_grad(net, params, x, y, loss_fn, batch_no, count_saved=count)
                 if count:
@@ -138,22 +144,65 @@ def measure_menu(
         neutral = {c: [[1.0 if c == "cosine" else 0.0] * len(options) for _ in range(n_batches)] for c in rows}
         items += [MenuItem(member, kind, options, nbytes, rows if j == 0 else neutral, group, regions[member])
                   for j, member in enumerate(units[name])]
+    items = _joined(items, pairs, probe_stats, probe_delta, n_batches)
     # What the map controls comes off the exact-companion total: each item's exact option once.
     base -= sum(i.nbytes[i.index(i.exact_option)] for i in items if i.group is None)
     base -= sum({i.group: i.nbytes[i.index(i.exact_option)] for i in items if i.group is not None}.values())
     meta = {"batches": n_batches, "batch_size": int(first.shape[0]), "kernels": kernels,
             "token_kernels": token_kernels, "storages": list(menu.storages), "norm_storages": list(menu.norm_storages),
-            "act_storages": list(menu.act_storages), "saved_storages": list(menu.saved_storages)}
+            "act_storages": list(menu.act_storages), "saved_storages": list(menu.saved_storages),
+            "from_bn": menu.from_bn}
     return MenuResult(items, stock, base, meta)
 
 
 def _apply_probe(net: nn.Module, kind: str, name: str, storage: str, regions: dict[str, bool],
-                 units: dict[str, list[str]]) -> None:
-    """Compress ``net`` with one lossy option of one BatchNorm / activation item or saved-region unit."""
+                 units: dict[str, list[str]], pairs: dict[str, str]) -> None:
+    """Compress ``net`` with one lossy option of one BatchNorm / activation item or saved-region unit,
+    or (``from_bn``) with conv ``name`` rebuilding its input from its BatchNorm stored as ``storage``."""
     if kind == "saved":
         compress(net, None, saved_storage=region_rule(dict.fromkeys(units[name], storage), regions))
+    elif kind == FROM_BN:
+        compress(net, {name: FROM_BN}, norm_storage={pairs[name]: storage})
     else:
         compress(net, None, **{"norm_storage" if kind == "norm" else "act_storage": {name: storage}})
+
+
+def _rebuildable_pairs(net: nn.Module, x: Tensor, recorder: _MenuRecorder, norms: list[str]) -> dict[str, str]:
+    """conv -> BatchNorm for the convs of ``net`` that can take ``from_bn`` and are menu items of
+    their own (a conv sharing its input with another chooses with it: not offered)."""
+    readers: dict[tuple, int] = {}
+    for key in recorder.groups.values():
+        readers[key] = readers.get(key, 0) + 1
+    return {conv: bn for conv, bn in rebuildable_convs(net, x).items()
+            if conv in recorder.groups and readers[recorder.groups[conv]] == 1 and bn in norms}
+
+
+def _joined(items: list[MenuItem], pairs: dict[str, str], probe_stats: dict[tuple[str, str], list],
+            probe_delta: dict[tuple[str, str], int], n_batches: int) -> list[MenuItem]:
+    """``items`` with each conv of ``pairs`` and its BatchNorm replaced by one norm_conv item: every
+    BatchNorm storage with every conv option (criteria added, cosines multiplied, bytes added: the
+    two errors taken as independent, as between items) and every BatchNorm storage with the input
+    rebuilt (``from_bn``: measured by a compressed backward with both applied, bytes counted)."""
+    if not pairs:
+        return items
+    by_name = {i.name: i for i in items}
+    joined: dict[str, MenuItem] = {}
+    for conv_name, norm_name in pairs.items():
+        conv, norm = by_name[conv_name], by_name[norm_name]
+        composed = [(a, b) for a in range(len(norm.options)) for b in range(len(conv.options))]
+        options = [joint_option(norm.options[a], conv.options[b]) for a, b in composed]
+        options += [joint_option(n, FROM_BN) for n in norm.options]
+        exact = norm.nbytes[norm.index("native")] + conv.nbytes[conv.index("1")]
+        nbytes = [norm.nbytes[a] + conv.nbytes[b] for a, b in composed]
+        nbytes += [exact + probe_delta[(conv_name, n)] for n in norm.options]
+        rows = {}
+        for i, c in enumerate(CRITERIA):  # a probe's terms are in CRITERIA's order
+            rows[c] = [[norm.criteria[c][k][a] * conv.criteria[c][k][b] if c == "cosine"
+                        else norm.criteria[c][k][a] + conv.criteria[c][k][b] for a, b in composed]
+                       + [probe_stats[(conv_name, n)][k][i] for n in norm.options] for k in range(n_batches)]
+        joined[conv_name] = MenuItem(conv_name, JOINT_KIND, options, nbytes, rows, partner=norm_name)
+    partners = set(pairs.values())
+    return [joined.get(i.name, i) for i in items if i.name not in partners]
 
 
 def _saved_regions(net: nn.Module, x: Tensor, items: set[str], storages: list[str],

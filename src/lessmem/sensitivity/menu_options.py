@@ -34,6 +34,7 @@ class MenuOptions:
     norm_storages: tuple[str, ...] = LOSSY_STORAGES
     act_storages: tuple[str, ...] = LOSSY_STORAGES
     saved_storages: tuple[str, ...] = ()
+    from_bn: bool = True
 
     def __post_init__(self) -> None:
         for field in ("kernels", "token_kernels"):
@@ -49,14 +50,18 @@ class MenuOptions:
     def kernel_only(cls, kernels: tuple[int, ...] = DEFAULT_KERNELS) -> MenuOptions:
         """Pooling alone (conv and token-linear inputs): native storage, no BatchNorm / activation /
         saved-region options."""
-        return cls(kernels, kernels, ("native",), (), (), ())
+        return cls(kernels, kernels, ("native",), (), (), (), from_bn=False)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> MenuOptions:
         """The options a config node lists (the ``menu`` group, ``adaptive``); other keys are
         ignored and a field it leaves out keeps its default."""
-        given = {f.name: tuple(int(k) if f.name.endswith("kernels") else str(k) for k in cfg[f.name])
-                 for f in fields(cls) if f.name in cfg}
+        given: dict[str, Any] = {f.name: tuple(int(k) if f.name.endswith("kernels") else str(k) for k in cfg[f.name])
+                                 for f in fields(cls) if f.name in cfg and f.name != "from_bn"}
+        if "from_bn" in cfg:
+            if not isinstance(cfg["from_bn"], bool):
+                raise ValueError(f"menu.from_bn must be true or false, got {cfg['from_bn']!r}")
+            given["from_bn"] = cfg["from_bn"]
         return cls(**given)
 
 
