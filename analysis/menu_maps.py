@@ -15,12 +15,13 @@ import copy
 from collections.abc import Callable
 from pathlib import Path
 
-from lessmem.sensitivity import MenuResult, write_map_yaml
+from lessmem.sensitivity import JOINT_KIND, MenuItem, MenuResult, write_map_yaml
+from lessmem.sensitivity.items import FROM_BN, split_joint
 
 
 def kernel_only(option: str) -> bool:
-    """Native storage: exact or pooled without a code."""
-    return option == "native" or "/" not in option and not option.startswith(("bf16", "int"))
+    """Native storage: exact or pooled without a code (not rebuilt: the paper's menu)."""
+    return option == "native" or "/" not in option and not option.startswith(("bf16", "int")) and option != FROM_BN
 
 
 def unpooled(option: str) -> bool:
@@ -35,11 +36,16 @@ def narrowed(result: MenuResult, keeps: Callable[[str], bool]) -> MenuResult:
     """The same measurement restricted to the options ``keeps`` accepts."""
     kept = copy.deepcopy(result)
     for item in kept.items:
-        keep = [j for j, option in enumerate(item.options) if keeps(option)]
+        keep = [j for j, option in enumerate(item.options) if _keeps(item, option, keeps)]
         item.options = [item.options[j] for j in keep]
         item.nbytes = [item.nbytes[j] for j in keep]
         item.criteria = {name: [[row[j] for j in keep] for row in rows] for name, rows in item.criteria.items()}
     return kept
+
+
+def _keeps(item: MenuItem, option: str, keeps: Callable[[str], bool]) -> bool:
+    """A BatchNorm x conv item's option is kept where both its parts are."""
+    return all(keeps(part) for part in split_joint(option)) if item.kind == JOINT_KIND else keeps(option)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -142,6 +142,21 @@ def test_menu_maps_narrowed_menus(tmp_path: Path) -> None:
     assert result.score(conv, norm)["ratio"] <= 0.6
 
 
+def test_menu_maps_narrow_both_parts_of_a_batchnorm_conv_item() -> None:
+    """A norm_conv option stays where its BatchNorm part and its conv part both do: the unpooled menu
+    keeps codes and from_bn, the kernel-only menu native BatchNorms and native pooling."""
+    from lessmem.sensitivity import MenuItem, MenuResult
+
+    options = ["native|1", "native|2", "int2|1", "int2|2/int2", "native|from_bn", "int2|from_bn"]
+    item = MenuItem("conv2", "norm_conv", options, [6, 5, 4, 3, 2, 1], {"grad_error": [[0, 1, 2, 3, 4, 5]]},
+                    partner="bn1")
+    menu = MenuResult([item], 10, 0)
+    maps = script("menu_maps")
+    assert maps.narrowed(menu, maps.unpooled).items[0].options == ["native|1", "int2|1", "native|from_bn", "int2|from_bn"]
+    kept = maps.narrowed(menu, maps.kernel_only).items[0]
+    assert kept.options == ["native|1", "native|2"] and kept.nbytes == [6, 5] and kept.criteria == {"grad_error": [[0, 1]]}
+
+
 def test_pareto_front_on_any_columns() -> None:
     """The one front for runs and search trials: least memory per accuracy, one row per point,
     the first of equal rows, rows without finite values left out."""
