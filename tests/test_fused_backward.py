@@ -289,6 +289,16 @@ def test_sliced_gated_mlp_holds_no_full_size_intermediate(monkeypatch: pytest.Mo
     assert largest(model) == tokens * width  # the check sees the module path's full-size tensors
 
 
+def attention_inputs(monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, ...]:
+    """q (5, 2, 16, 32), kv (k and v strided views of one projection, as HF's are), k, v and an output
+    gradient; two samples a slice."""
+    monkeypatch.setattr(recompute, "SLICE_ELEMENTS", 2 * 2 * 16 * 32)
+    torch.manual_seed(0)
+    q = torch.randn(5, 2, 16, 32, requires_grad=True)
+    kv = torch.randn(5, 16, 2, 2, 32, requires_grad=True)
+    return q, kv, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), torch.randn(5, 2, 16, 32)
+
+
 @pytest.mark.parametrize("storage", ["native", "int8_rn"])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_sliced_attention_matches_sdpa_on_the_decoded_inputs(storage: str, is_causal: bool,
@@ -299,12 +309,7 @@ def test_sliced_attention_matches_sdpa_on_the_decoded_inputs(storage: str, is_ca
     from lessmem.core.ops.recompute import SlicedAttentionFunction
     from lessmem.core.storage import pack_tensor
 
-    monkeypatch.setattr(recompute, "SLICE_ELEMENTS", 2 * 2 * 16 * 32)  # two samples a slice
-    torch.manual_seed(0)
-    q = torch.randn(5, 2, 16, 32, requires_grad=True)
-    kv = torch.randn(5, 16, 2, 2, 32, requires_grad=True)
-    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
-    grad = torch.randn(5, 2, 16, 32)
+    q, kv, k, v, grad = attention_inputs(monkeypatch)
     out = SlicedAttentionFunction.apply(q, k, v, is_causal, None, storage)
     got = torch.autograd.grad(out, (q, kv), grad)
     decoded = [unpack_tensor(pack_tensor(t.detach(), storage), storage, tensor_meta(t)) if storage != "native"
@@ -330,12 +335,7 @@ def test_attention_sharing_its_output_code_takes_the_flash_backward(storage: str
     from lessmem.core.ops.pooling import pooled_tokens_once
     from lessmem.core.ops.recompute import SlicedAttentionFunction
 
-    monkeypatch.setattr(recompute, "SLICE_ELEMENTS", 2 * 2 * 16 * 32)  # two samples a slice
-    torch.manual_seed(0)
-    q = torch.randn(5, 2, 16, 32, requires_grad=True)
-    kv = torch.randn(5, 16, 2, 2, 32, requires_grad=True)
-    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
-    grad = torch.randn(5, 2, 16, 32)
+    q, kv, k, v, grad = attention_inputs(monkeypatch)
     out = SlicedAttentionFunction.apply(q, k, v, True, None, storage, True)
     assert torch.equal(out, nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
     tokens = out.transpose(1, 2).contiguous()
