@@ -5,7 +5,10 @@ One item per place a map can compress: every Conv2d input and every token-poolin
 of k tokens), every BatchNorm2d input and every GELU / SiLU input, and every saved-tensor region
 (``lessmem.sensitivity.regions``: what a module other than those saves itself, a norm's input,
 attention's q / k / v / output, a gated product; options: a storage, its bytes measured with the
-option applied). Per item, option and batch four criteria:
+option applied). A conv that reads ReLU(BatchNorm) alone and that BatchNorm are one ``norm_conv`` item
+(``MenuOptions.from_bn``): every pair of their options, and the conv's input rebuilt from the
+BatchNorm in each of its storages (``"int2|from_bn"``), whose error depends on that storage. Per
+item, option and batch four criteria:
 
 - ``grad_error``: ||g_hat - g||^2 / ||g||^2 with g the whole parameter gradient. A conv input
   touches only its own weight gradient and leaves the backward exact, so these add up over conv
