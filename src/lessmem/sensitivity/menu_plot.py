@@ -30,7 +30,7 @@ def plot_menu(menu_items: Sequence[MenuItem], path: str | Path, title: str) -> P
     widths = [len(c) for c in columns]
     height = 1.6 + 0.28 * max(len(p) for p in panels)
     fig, axes = plt.subplots(1, len(panels), figsize=(2.5 + 0.42 * sum(widths), height), squeeze=False,
-                             gridspec_kw={"width_ratios": widths})
+                             gridspec_kw={"width_ratios": widths, "wspace": 0.3})
     floor = 1e-8  # exact options (error 0) drawn at the floor
     for ax, panel, options, label in zip(axes[0], panels, columns, labels, strict=True):
         grid = np.array([[max(errors[o], floor) if o in errors else np.nan for o in options] for _, _, errors in panel])
