@@ -15,13 +15,14 @@ import copy
 from collections.abc import Callable
 from pathlib import Path
 
+from lessmem.core import FROM_NORM
 from lessmem.sensitivity import JOINT_KIND, MenuItem, MenuResult, write_map_yaml
-from lessmem.sensitivity.items import FROM_BN, split_joint
+from lessmem.sensitivity.items import split_joint
 
 
 def kernel_only(option: str) -> bool:
     """Native storage: exact or pooled without a code (not rebuilt: the paper's menu)."""
-    return option == "native" or "/" not in option and not option.startswith(("bf16", "int")) and option != FROM_BN
+    return option == "native" or "/" not in option and not option.startswith(("bf16", "int")) and option != FROM_NORM
 
 
 def unpooled(option: str) -> bool:

@@ -24,7 +24,7 @@ from lessmem.core.ops.dispatch import kept_by_graph
 from lessmem.core.ops.pooling import expand_blocks, expand_tokens, pool_blocks, pool_tokens
 from lessmem.core.ops.registry import pools_tokens
 from lessmem.core.rounding import load_rounding_state, rounding_state, set_rounding_seed
-from lessmem.core.spec import CompressionPlan, LayerSpec, parse_spec
+from lessmem.core.spec import FROM_NORM, CompressionPlan, LayerSpec, parse_spec
 from lessmem.core.step_memory import (
     FIXED_MMAP_ENV,
     StepMemoryReport,
@@ -45,6 +45,7 @@ from lessmem.core.storage import (
 )
 
 __all__ = [
+    "FROM_NORM",
     "FIXED_MMAP_ENV",
     "STORAGES",
     "UNBIASED_STORAGES",

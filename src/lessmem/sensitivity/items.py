@@ -12,7 +12,6 @@ MAP_KINDS = ("conv", "linear")
 # choosing together: the rebuilt input's error depends on the BatchNorm's storage. Its options are
 # ``joint_option(BatchNorm storage, conv option)``; the map takes the conv part, norm_storage the other.
 JOINT_KIND = "norm_conv"
-FROM_BN = "from_bn"
 
 
 def joint_option(norm: str, conv: str) -> str:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lessmem.core import (
+    FROM_NORM,
     compress,
     kept_by_graph,
     load_rounding_state,
@@ -36,7 +37,7 @@ from lessmem.sensitivity.geometry import (
     TokenLinearLayer,
     sensitivity_layers,
 )
-from lessmem.sensitivity.items import FROM_BN, JOINT_KIND, MenuItem, joint_option, option_name
+from lessmem.sensitivity.items import JOINT_KIND, MenuItem, joint_option, option_name
 from lessmem.sensitivity.menu import CRITERIA, MenuResult
 from lessmem.sensitivity.menu_options import DEFAULT_MENU, MenuOptions
 from lessmem.sensitivity.regions import region_candidates, region_groups, region_rule
@@ -103,7 +104,7 @@ def measure_menu(
                 if menu.from_bn:
                     pairs = _rebuildable_pairs(net, x, recorder, reach["norm_storage"])
                     norm_options = ["native", *(s for s in menu.norm_storages if s != "native")]
-                    probes += [(FROM_BN, conv, s) for conv in pairs for s in norm_options]
+                    probes += [(FROM_NORM, conv, s) for conv in pairs for s in norm_options]
             for kind, name, storage in probes:
                 _apply_probe(net, kind, name, storage, regions, units, pairs)
                 count = batch_no == 0 and kind != "saved"  # measured, not assumed: a companion may keep the input anyway
@@ -161,8 +162,8 @@ def _apply_probe(net: nn.Module, kind: str, name: str, storage: str, regions: di
     or (``from_bn``) with conv ``name`` rebuilding its input from its BatchNorm stored as ``storage``."""
     if kind == "saved":
         compress(net, None, saved_storage=region_rule(dict.fromkeys(units[name], storage), regions))
-    elif kind == FROM_BN:
-        compress(net, {name: FROM_BN}, norm_storage={pairs[name]: storage})
+    elif kind == FROM_NORM:
+        compress(net, {name: FROM_NORM}, norm_storage={pairs[name]: storage})
     else:
         compress(net, None, **{"norm_storage" if kind == "norm" else "act_storage": {name: storage}})
 
@@ -191,7 +192,7 @@ def _joined(items: list[MenuItem], pairs: dict[str, str], probe_stats: dict[tupl
         conv, norm = by_name[conv_name], by_name[norm_name]
         composed = [(a, b) for a in range(len(norm.options)) for b in range(len(conv.options))]
         options = [joint_option(norm.options[a], conv.options[b]) for a, b in composed]
-        options += [joint_option(n, FROM_BN) for n in norm.options]
+        options += [joint_option(n, FROM_NORM) for n in norm.options]
         exact = norm.nbytes[norm.index("native")] + conv.nbytes[conv.index("1")]
         nbytes = [norm.nbytes[a] + conv.nbytes[b] for a, b in composed]
         nbytes += [exact + probe_delta[(conv_name, n)] for n in norm.options]

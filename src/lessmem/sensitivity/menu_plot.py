@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lessmem.sensitivity.items import FROM_BN, JOINT_KIND, MAP_KINDS, MenuItem, split_joint
+from lessmem.core import FROM_NORM
+from lessmem.sensitivity.items import JOINT_KIND, MAP_KINDS, MenuItem, split_joint
 
 
 def plot_menu(menu_items: Sequence[MenuItem], path: str | Path, title: str) -> Path:
@@ -55,8 +56,8 @@ def _rows(item: MenuItem) -> list[tuple[str, bool, dict[str, float]]]:
     norm: dict[str, float] = {}
     for option, error in errors.items():
         storage, conv_option = split_joint(option)
-        if conv_option == FROM_BN:
-            conv[f"{FROM_BN} ({storage})"] = error
+        if conv_option == FROM_NORM:
+            conv[f"{FROM_NORM} ({storage})"] = error
         elif storage == "native":
             conv[conv_option] = error
         if conv_option == "1":
