@@ -1,29 +1,50 @@
-"""One tracked file per result folder with every finished training run's metrics, ``<out>/runs.json``,
-so that the published summaries regenerate from git while the raw run folders stay out of it.
+"""One tracked file per result folder, ``<out>/runs.json``, with every finished training run's metrics
+and the drivers' other outputs, so that the published summaries regenerate from git while the raw
+folders stay out of it.
 
 The drivers (proof.py, proof_2x2.py, criterion_check.py) write ``<out>/runs/<config>/seed<N>/``
 (config.yaml, metrics.json, metrics.jsonl, memory.json, checkpoints); ``.gitignore`` keeps those out
 of git. ``runs.json`` holds, per configuration and seed, the run's metrics.json (less its per-layer
 byte table), the proof it was copied from (``REUSED``) and the maps the adaptive schedule chose
-(``adaptive.jsonl``), the first stock run's config.yaml (the schedule the summaries print), and the
-text of every map file in ``<out>/maps/`` (what each configuration trained; ``maps/`` is not tracked).
+(``adaptive.jsonl``), the first stock run's config.yaml (the schedule the summaries print), the
+text of every map file in ``<out>/maps/`` (what each configuration trained; ``maps/`` is not tracked)
+and, under ``files``, every other driver output of ``CARRIED`` that git does not track (proof.json,
+the measured menu, the searches' summaries, trials, reports and best maps, per-epoch sensitivity
+tables; a ``.json`` parsed, the rest as text; ``{"same_as": FOLDER}``: the same file of another
+result folder). Plots and CSV views of a JSON file are not carried: the scripts that wrote them
+write them again.
 
     python analysis/compact_runs.py docs/results/budget_proof             # after the runs finished
-    python analysis/compact_runs.py --restore-maps docs/results/budget_proof   # maps/ back, to rerun
+    python analysis/compact_runs.py --restore docs/results/budget_proof   # maps/ and the carried files back, to rerun
+    python analysis/compact_runs.py --restore-maps docs/results/budget_proof   # maps/ only
 
-The summary scripts call ``load``, which rewrites runs.json first whenever raw run folders exist.
+The summary scripts call ``load``, which rewrites runs.json first whenever raw run folders exist, and
+read the carried files with ``read`` (the file when it is there, else runs.json's copy).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
-from repo_paths import relative_to_repo
+from repo_paths import REPO, relative_to_repo
 
 DROPPED = ("saved_bytes_per_layer",)  # 58 numbers per run; each run's memory.json keeps them
+# Driver outputs runs.json carries (paths relative to the result folder; ``*`` within one path part).
+CARRIED = (
+    "proof.json",                                                    # analysis/proof.py: the layout
+    "menu/menu.json", "menu_*/menu.json", "menu/menu_*.yaml",        # lessmem-sensitivity: the menu, its map
+    "search/b*/summary.json", "search/b*/report.md", "search/b*/trials.csv", "search/b*/best_map.yaml",
+    "search/b*/sweep.yaml", "search/b*/COPIED",                      # the menu searches (lessmem-search)
+    "search/summary.json", "search/pareto.md", "search/pareto.csv", "search/trials.csv", "search/sweep.yaml",
+    "search/best_maps/*.yaml", "search/sensitivity/sensitivity.json",  # proof_2x2.py's accuracy search
+    "sensitivity/epoch*/sensitivity.json", "sensitivity/epoch*/greedy_map.yaml",  # proof_2x2.py, per epoch
+)
 
 
 def compact(out: Path) -> dict:
@@ -39,11 +60,57 @@ def compact(out: Path) -> dict:
             record["adaptive"] = [json.loads(line) for line in lines if line.strip()]
         runs.setdefault(run.parent.name, {})[run.name[4:]] = record
     stock = sorted((out / "runs" / "stock").glob("seed*/config.yaml"), key=_run_order)
-    maps = load_tracked(out)["maps"] | {p.stem: p.read_text() for p in (out / "maps").glob("*.yaml")}
+    tracked = load_tracked(out)
+    maps = tracked["maps"] | {p.stem: p.read_text() for p in (out / "maps").glob("*.yaml")}
+    files = tracked.get("files", {}) | carry(out)
     table = relative_to_repo({"runs": runs, "stock_config": yaml.safe_load(stock[0].read_text()) if stock else None,
-                              "maps": dict(sorted(maps.items()))})
+                              "maps": dict(sorted(maps.items())), **({"files": dict(sorted(files.items()))} if files else {})})
     (out / "runs.json").write_text(json.dumps(table, indent=1) + "\n")
     return table
+
+
+def carry(out: Path) -> dict[str, Any]:
+    """The ``CARRIED`` files in ``out`` that git does not track (a tracked one stays a file)."""
+    tracked = _git_tracked(out)
+    found = {}
+    for pattern in CARRIED:
+        for path in out.glob(pattern):
+            name = path.relative_to(out).as_posix()
+            if path.is_file() and name not in tracked:
+                found[name] = json.loads(path.read_text()) if path.suffix == ".json" else path.read_text()
+    return found
+
+
+def _git_tracked(out: Path) -> set[str]:
+    """Files under ``out`` that git tracks, relative to it (none outside a checkout)."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--", "."], cwd=out, capture_output=True, text=True,
+                                check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return set()
+    return {name for name in listed.split("\0") if name}
+
+
+def read(out: Path, name: str, table: dict | None = None) -> Any:
+    """A result file of ``out`` (a path relative to it): the file when it is there (parsed when
+    ``.json``), else what runs.json carries (``same_as``: that folder's), else None."""
+    path = out / name
+    if path.is_file():
+        return json.loads(path.read_text()) if path.suffix == ".json" else path.read_text()
+    value = (load_tracked(out) if table is None else table).get("files", {}).get(name)
+    if isinstance(value, dict) and set(value) == {"same_as"}:
+        return read(REPO / value["same_as"], name)
+    return value
+
+
+def names(out: Path, pattern: str, table: dict | None = None) -> list[str]:
+    """The result files of ``out`` that match ``pattern`` (``*`` within one path part), on disk or
+    carried, sorted."""
+    found = {p.relative_to(out).as_posix() for p in out.glob(pattern) if p.is_file()}
+    carried = (load_tracked(out) if table is None else table).get("files", {})
+    depth = pattern.count("/")
+    found |= {n for n in carried if n.count("/") == depth and fnmatch.fnmatchcase(n, pattern)}
+    return sorted(found)
 
 
 def load(out: Path) -> dict:
@@ -67,6 +134,18 @@ def restore_maps(out: Path, table: dict) -> None:
             path.write_text(text)
 
 
+def restore(out: Path, table: dict) -> None:
+    """The map files and every carried file back where the drivers wrote them (where missing):
+    what a rerun reads (``--menu DIR/menu/menu.json``, ``--map-files DIR/maps/...``)."""
+    restore_maps(out, table)
+    for name in table.get("files", {}):
+        path = out / name
+        if not path.exists():
+            value = read(out, name, table)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(value, indent=1) + "\n" if path.suffix == ".json" else value)
+
+
 def by_seed(table: dict, config: str) -> dict[int, dict]:
     """seed -> metrics of one configuration's runs, in seed order."""
     return {int(seed): m for seed, m in sorted(table["runs"].get(config, {}).items(), key=lambda kv: int(kv[0]))}
@@ -78,14 +157,14 @@ def _run_order(path: Path) -> tuple[str, int]:
 
 
 def main(argv: list[str]) -> int:
-    restore = argv[:1] == ["--restore-maps"]
-    folders = [Path(a) for a in argv[restore:]]
+    back = {"--restore": restore, "--restore-maps": restore_maps}.get(argv[0]) if argv else None
+    folders = [Path(a) for a in argv[back is not None:]]
     if not folders:
         print("compact_runs.py: error: give one or more result folders", file=sys.stderr)
         return 2
     for folder in folders:
-        if restore:
-            restore_maps(folder, load(folder))
+        if back is not None:
+            back(folder, load(folder))
             continue
         if not (folder / "runs").is_dir():
             print(f"compact_runs.py: error: {folder / 'runs'} does not exist", file=sys.stderr)

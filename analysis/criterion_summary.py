@@ -16,11 +16,12 @@ import math
 import sys
 from pathlib import Path
 
-from compact_runs import by_seed, load, restore_maps
+from compact_runs import by_seed, load, read, restore_maps
 from proof_summary import LEGACY, layout_of, schedule
 from repo_paths import REPO, relative_to_repo
 
-from lessmem.sensitivity import MenuResult, read_map_yaml
+from lessmem.core import CompressionPlan
+from lessmem.sensitivity import MenuResult
 
 # criterion -> (label, +1 if larger predicts higher accuracy, log axis)
 CRITERIA = {
@@ -107,8 +108,7 @@ def load_rows(out: Path, table: dict, menu: MenuResult, layout: dict) -> list[di
         m = by_seed(table, path.stem).get(0)
         if m is None:
             continue
-        mapping, norm, act, saved = read_map_yaml(path)
-        score = menu.score(mapping, norm, act, saved)
+        score = menu.score(CompressionPlan.read(path))
         rows.append({"map": path.stem, "kind": kind_of(path.stem), key: scale * m[layout["metric"]],
                      "ratio": m["ratio"], "predicted_ratio": score["ratio"],
                      **{c: score[c] for c in menu.criteria}})
@@ -116,10 +116,10 @@ def load_rows(out: Path, table: dict, menu: MenuResult, layout: dict) -> list[di
 
 
 def summarize(out: Path) -> dict:
-    layout = layout_of(out)
-    own = out / "menu" / "menu.json"
-    menu = MenuResult.load(own if own.is_file() or layout is LEGACY else REPO / layout["menu"])
     table = load(out)
+    layout = layout_of(out, table)
+    own = read(out, "menu/menu.json", table)  # the folder's menu, or runs.json's copy
+    menu = MenuResult.from_dict(own) if own is not None else MenuResult.load(REPO / layout["menu"])
     restore_maps(out, table)
     rows = load_rows(out, table, menu, layout)
     key, sign = layout["key"], -1.0 if layout["lower_is_better"] else 1.0

@@ -30,9 +30,9 @@ from omegaconf import OmegaConf
 from proof_summary import layout_of
 from torch import Tensor, nn
 
-from lessmem.core import compress
-from lessmem.experiment import build_model_from_cfg, fixed_batches, load_checkpoint, task_of
-from lessmem.sensitivity import MenuResult, read_map_yaml
+from lessmem.core import CompressionPlan, compress
+from lessmem.experiment import fixed_batches, load_checkpoint, model_spec, task_of
+from lessmem.sensitivity import MenuResult
 
 
 def groups(model: nn.Module) -> dict[str, list[int]]:
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=Path, default=None, help="a criterion check's folder: rank the errors against its metric")
     args = p.parse_args(argv)
     cfg = OmegaConf.create(torch.load(args.checkpoint, map_location="cpu", weights_only=True)["config"])
-    net = build_model_from_cfg(cfg)
+    net = model_spec(cfg.model).build()
     load_checkpoint(net, args.checkpoint)
     net.train()
     batches = fixed_batches(cfg, args.batches, args.batch_size)
@@ -102,13 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     menu = MenuResult.load(args.menu) if args.menu else None
     table: dict[str, dict[str, float]] = {}
     for path in args.maps:
-        mapping, norm, act, saved = read_map_yaml(path)
-        compressed = compress(copy.deepcopy(net), mapping, norm_storage=norm, act_storage=act, saved_storage=saved)
+        plan = CompressionPlan.read(path)
+        compressed = compress(copy.deepcopy(net), plan)
         measured = errors(averaged(compressed, batches, loss_fn, args.draws), exact, parts)
         table[path.stem] = measured
         line = f"{path.stem}: measured " + ", ".join(f"{k} {v:.4g}" for k, v in measured.items())
         if menu is not None:
-            score = menu.score(mapping, norm, act, saved)
+            score = menu.score(plan)
             line += " | menu " + ", ".join(f"{c} {score[c]:.4g}" for c in (*menu.criteria, "ratio"))
         print(line, flush=True)
     if args.runs is not None:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lessmem.core import FROM_NORM
-from lessmem.sensitivity import JOINT_KIND, MenuItem, MenuResult, write_map_yaml
+from lessmem.sensitivity import JOINT_KIND, MenuItem, MenuResult
 from lessmem.sensitivity.items import split_joint
 
 
@@ -63,13 +63,12 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"{spec!r}: the menu suffix is one of {', '.join(NARROWINGS)}")
         source = narrowed(result, NARROWINGS[menu[0]]) if menu else result
         choice = source.make_map(float(budget), criterion)
-        score = result.score(choice.map, choice.norm_storage, choice.act_storage)
+        score = result.score(choice.plan)
         name = f"{criterion}_{budget}{f'_{menu[0]}' if menu else ''}"
         comment = (f"least {criterion} within {budget} x stock saved bytes ({menu[0] if menu else 'whole'} menu), "
                    f"from {args.menu}\npredicted ratio {score['ratio']:.3f}; "
                    + ", ".join(f"{c} {score[c]:.4g}" for c in ("grad_error", "cosine", "loss_change")))
-        path = write_map_yaml(choice.map, args.out / f"{name}.yaml", name=name, comment=comment,
-                              norm_storage=choice.norm_storage, act_storage=choice.act_storage)
+        path = choice.plan.replace(name=name).write(args.out / f"{name}.yaml", comment=comment)
         print(f"{path}: ratio {score['ratio']:.3f}, grad_error {score['grad_error']:.4g}, cosine {score['cosine']:.4f}")
 
 

@@ -39,13 +39,12 @@ from pathlib import Path
 from jobs import REPO, Job, schedule, train_job
 from repo_paths import relative_to_repo
 
+from lessmem.core import CompressionPlan
 from lessmem.sensitivity import (
     CRITERIA,
     DEFAULT_CRITERION,
-    MapChoice,
     MenuResult,
-    read_map_yaml,
-    write_map_yaml,
+    ScoredPlan,
 )
 
 
@@ -107,12 +106,10 @@ def budget_name(budget: float) -> str:
     return f"{budget:g}"
 
 
-def write_map(out: Path, name: str, choice: MapChoice, note: str) -> Path:
+def write_map(out: Path, name: str, choice: ScoredPlan, note: str) -> Path:
     path = out / "maps" / f"{name}.yaml"
     if not path.exists():
-        write_map_yaml(choice.map, path, name=name, norm_storage=choice.norm_storage, act_storage=choice.act_storage,
-                       saved_storage=choice.saved_storage,
-                       comment=f"{note}; predicted saved bytes {choice.score['ratio']:.4f}x stock")
+        choice.plan.replace(name=name).write(path, comment=f"{note}; predicted saved bytes {choice.score['ratio']:.4f}x stock")
     return path
 
 
@@ -121,7 +118,7 @@ def copy_map(out: Path, path: Path) -> str:
     error, not overwritten); returns the config name."""
     if not path.is_file():
         raise SystemExit(f"--map-files: no file {path}")
-    read_map_yaml(path)  # a clear error now, not in every run
+    CompressionPlan.read(path)  # a clear error now, not in every run
     text, target = path.read_text(), out / "maps" / f"{path.stem}.yaml"
     if target.exists() and target.read_text() != text:
         raise SystemExit(f"--map-files: {target} exists and differs from {path}")
@@ -129,7 +126,7 @@ def copy_map(out: Path, path: Path) -> str:
     return path.stem
 
 
-def uniform_choices(menu: MenuResult, preset: Preset) -> dict[str, MapChoice]:
+def uniform_choices(menu: MenuResult, preset: Preset) -> dict[str, ScoredPlan]:
     """The preset's uniform options the menu measured (an option it lacks is left out)."""
     found = {}
     for name, options in preset.uniform.items():
@@ -141,13 +138,13 @@ def uniform_choices(menu: MenuResult, preset: Preset) -> dict[str, MapChoice]:
 
 
 def plan(menu: MenuResult, preset: Preset, budgets: list[float], per_budget: int,
-         criterion: str, compared: list[str]) -> tuple[dict[str, MapChoice], dict[str, dict]]:
+         criterion: str, compared: list[str]) -> tuple[dict[str, ScoredPlan], dict[str, dict]]:
     """(config -> map, config -> {"home", "uniform"}): per budget the knapsack's map
     (``chosen_<budget>``), the knapsack's maps of the ``compared`` criteria (``<criterion>_<budget>``)
     and the ``per_budget`` fitting uniform options that spend most of it, each at its home budget
     (the tightest it fits, or where it was picked)."""
     uniform = uniform_choices(menu, preset)
-    maps: dict[str, MapChoice] = {}
+    maps: dict[str, ScoredPlan] = {}
     configs: dict[str, dict] = {"stock": {"home": "all", "uniform": False}}
     for budget in sorted(budgets, reverse=True):
         name = budget_name(budget)
@@ -201,11 +198,11 @@ def _wanted(config: str, patterns: list[str] | None) -> bool:
     return patterns is None or config == "stock" or any(fnmatch.fnmatchcase(config, p) for p in patterns)
 
 
-def criterion_maps(menu: MenuResult, preset: Preset, budgets: list[float], n: int, seed: int) -> dict[str, MapChoice]:
+def criterion_maps(menu: MenuResult, preset: Preset, budgets: list[float], n: int, seed: int) -> dict[str, ScoredPlan]:
     """``n`` maps spread from the tightest budget to 1.0: the knapsack's map of every criterion
     at each budget, the uniform options (the first ``n`` of these), then random per-unit maps
     (options drawn around a per-map aggressiveness) in empty ratio bins; no map twice."""
-    maps: dict[str, MapChoice] = {}
+    maps: dict[str, ScoredPlan] = {}
     candidates = [(f"{c}_{budget_name(b)}", menu.make_map(b, c)) for b in budgets for c in menu.criteria]
     for name, choice in [*candidates, *uniform_choices(menu, preset).items()]:
         # Criteria can agree on a map (all of them at a loose budget); training it twice would count one result twice.
@@ -237,13 +234,8 @@ def criterion_maps(menu: MenuResult, preset: Preset, budgets: list[float], n: in
     return maps
 
 
-def same_map(a: MapChoice, b: MapChoice) -> bool:
-    return (a.map, a.norm_storage, a.act_storage, a.saved_storage) == (b.map, b.norm_storage, b.act_storage,
-                                                                       b.saved_storage)
-
-
-def is_new(choice: MapChoice, maps: dict[str, MapChoice]) -> bool:
-    return not any(same_map(choice, kept) for kept in maps.values())
+def is_new(choice: ScoredPlan, maps: dict[str, ScoredPlan]) -> bool:
+    return not any(choice.plan.digest == kept.plan.digest for kept in maps.values())
 
 
 def layout(preset: Preset, model: str, configs: dict[str, dict], budgets: list[float], menu: Path,

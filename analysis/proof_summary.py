@@ -2,9 +2,9 @@
 same seeds (mean, std, per seed), paired differences (same seed) against stock and against the best
 uniform option that fits, with a two-sided paired t-test and a bootstrap 95% interval of the mean
 paired difference, and the memory-vs-metric frontier plot. The layout (model, metric, budgets,
-configurations) is ``<out>/proof.json``, written by the driver; folders from before it (the
-issue-19 resnet20 proofs) use ``LEGACY``. Writes ``<out>/summary.md``, ``summary.json`` and
-``frontier.png``.
+configurations) is ``<out>/proof.json``, written by the driver (carried in runs.json once compacted);
+folders from before it (the issue-19 resnet20 proofs) use ``LEGACY``. Writes ``<out>/summary.md``,
+``summary.json`` and ``frontier.png``.
 
     python analysis/proof_summary.py docs/results/budget_proof
 """
@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import statistics
 import sys
 from pathlib import Path
 
-from compact_runs import by_seed
+from compact_runs import by_seed, names, read
 from compact_runs import load as load_table
 from repo_paths import REPO, relative_to_repo
 
@@ -53,10 +54,10 @@ LEGACY = {
 }
 
 
-def layout_of(out: Path) -> dict:
-    """The proof's layout: ``<out>/proof.json`` (analysis/proof.py writes it), else ``LEGACY``."""
-    path = out / "proof.json"
-    return json.loads(path.read_text()) if path.is_file() else LEGACY
+def layout_of(out: Path, table: dict | None = None) -> dict:
+    """The proof's layout: ``<out>/proof.json`` (analysis/proof.py writes it; runs.json carries it),
+    else ``LEGACY``."""
+    return read(out, "proof.json", table) or LEGACY
 
 
 def load(table: dict, layout: dict) -> dict[str, dict[int, dict]]:
@@ -108,8 +109,8 @@ def diverged(metrics: dict) -> str | None:
 
 
 def summarize(out: Path) -> dict:
-    layout = layout_of(out)
     table = load_table(out)
+    layout = layout_of(out, table)
     runs = load(table, layout)
     key, scale, sign = layout["key"], float(layout["scale"]), -1.0 if layout["lower_is_better"] else 1.0
     stock = runs.get("stock", {})
@@ -117,7 +118,7 @@ def summarize(out: Path) -> dict:
     shared = {f"{config}/seed{seed}": m["reused_from"] for config in sorted(table["runs"])
               for seed, m in by_seed(table, config).items() if "reused_from" in m}
     result: dict = {"budgets": {}, "schedule": schedule(table["stock_config"]), "shared_runs": shared,
-                    "searches": searches(out)}
+                    "searches": searches(out, table)}
     if layout is not LEGACY:
         result["layout"] = layout
     for budget, spec in layout["budgets"].items():
@@ -155,15 +156,16 @@ def summarize(out: Path) -> dict:
                            "std": statistics.stdev(values) if len(values) > 1 else math.nan}
     result = relative_to_repo(result)
     (out / "summary.json").write_text(json.dumps(result, indent=2))
-    (out / "summary.md").write_text(markdown(result, layout))
+    reports = {s["dir"]: read(out, f"{s['dir']}/report.md", table) for s in result["searches"]}
+    (out / "summary.md").write_text(markdown(result, layout, reports))
     plot_frontier(result, layout, out / "frontier.png")
     return result
 
 
-def searches(out: Path) -> list[dict]:
-    """The menu searches' summaries (lessmem-search writes them), tightest budget first."""
-    found = [json.loads(p.read_text()) | {"dir": str(p.parent.relative_to(out))}
-             for p in (out / "search").glob("b*/summary.json")]
+def searches(out: Path, table: dict | None = None) -> list[dict]:
+    """The menu searches' summaries (lessmem-search writes them; runs.json carries them), tightest
+    budget first."""
+    found = [read(out, name, table) | {"dir": name.rsplit("/", 1)[0]} for name in names(out, "search/b*/summary.json", table)]
     return sorted(found, key=lambda d: d["budget"])
 
 
@@ -200,7 +202,8 @@ def _ci(paired: dict) -> str:
     return "—" if math.isnan(lo) else f"[{lo:+.2f}, {hi:+.2f}]"
 
 
-def markdown(result: dict, layout: dict) -> str:
+def markdown(result: dict, layout: dict, reports: dict[str, str | None] | None = None) -> str:
+    """summary.md; ``reports``: each search's report.md (by its folder), shown after the searches' table."""
     label, scale = layout["label"], float(layout["scale"])
     better = "lower is better" if layout["lower_is_better"] else "higher is better"
     lines = [f"# {layout['title']}", "",
@@ -225,8 +228,10 @@ def markdown(result: dict, layout: dict) -> str:
             lines.append(f"| {sr['budget']:.4g} | {sr['complete_trials'] + sr['pruned_trials'] + sr.get('diverged_trials', 0)} ({sr['pruned_trials']}) | "
                          f"{sr['distinct_maps_trained']} | {knap} | trial {sr['best']['trial']}: "
                          f"{scale * sr['best']['score']:.2f} | {'yes' if sr['best_is_knapsack'] else 'no'} | "
-                         f"[{sr['dir']}/report.md]({sr['dir']}/report.md) |")
+                         f"{sr['dir']}, below |")
         lines.append("")
+        for sr in result["searches"]:
+            lines += search_report(sr["dir"], (reports or {}).get(sr["dir"]))
     key = layout["key"]
     for budget, data in result["budgets"].items():
         lines += [f"## Budget: {layout['budgets'][budget]['label']} (saved-bytes ratio <= {data['limit']:.3f})", ""]
@@ -250,6 +255,16 @@ def markdown(result: dict, layout: dict) -> str:
                       for seed, where in r.get("diverged", {}).items()]:
             lines += ["† diverged (scored as the run ended): " + "; ".join(failed) + ".", ""]
     return "\n".join(lines) + "\n"
+
+
+def search_report(folder: str, report: str | None) -> list[str]:
+    """A search's report.md (lessmem-search wrote it: every trial's map score) one level down."""
+    if not report:
+        return []
+    title, _, body = report.partition("\n")
+    name = re.sub(r"^# (Menu )?[Ss]earch: ", "", title)
+    body = re.sub(r"^(#+) ", r"\1## ", body.strip(), flags=re.M)
+    return [f"### {folder}: {name}", "", body, ""]
 
 
 def plot_frontier(result: dict, layout: dict, path: Path) -> None:

@@ -192,8 +192,7 @@ def curve(model: nn.Module, batch, loss_fn, profile, args: argparse.Namespace) -
     errors = []
     for i in range(1, args.curve + 1):
         choice = profile.menu.make_map(least + (stock - least) * i / (args.curve + 1))
-        net = lessmem.compress(copy.deepcopy(model).train(), choice.map, norm_storage=choice.norm_storage,
-                               act_storage=choice.act_storage, saved_storage=choice.saved_storage)
+        net = lessmem.compress(copy.deepcopy(model).train(), choice.plan)
         saved, measured = choice.score["bytes"], peak(net, batch, loss_fn)
         predicted = profile.peaks.predict(saved)
         errors.append(predicted / measured - 1)

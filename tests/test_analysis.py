@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -124,22 +125,25 @@ def test_kernel_summary() -> None:
     assert R.kernel_summary({}) == "none"
 
 
-def test_menu_maps_narrowed_menus(tmp_path: Path) -> None:
+def test_menu_maps_narrowed_menus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """menu_maps.py's narrowed menus keep only their options: the unpooled menu's map pools no
     conv input, the kernel-only one codes none; both fit the budget the published menu predicts."""
-    from lessmem.sensitivity import MenuResult, read_map_yaml
+    from lessmem.core import CompressionPlan
+    from lessmem.sensitivity import MenuResult
 
-    menu = REPO / "docs/results/proof_resnet20_xhat/menu/menu.json"
+    monkeypatch.syspath_prepend(str(ANALYSIS))
+    menu = tmp_path / "menu.json"  # the published menu, which the proof's runs.json carries
+    menu.write_text(json.dumps(script("compact_runs").read(REPO / "docs/results/proof_resnet20_xhat", "menu/menu.json")))
     script("menu_maps").main([str(menu), "--out", str(tmp_path), "--maps", "grad_error:0.08:unpooled",
                               "grad_error:0.6:kernels"])
     result = MenuResult.load(menu)
-    conv, norm, _, _ = read_map_yaml(tmp_path / "grad_error_0.08_unpooled.yaml")
-    assert all(str(o) == "1" or not str(o)[0].isdigit() for o in conv.values())
-    assert any(str(o).startswith("int") for o in conv.values())
-    assert result.score(conv, norm)["ratio"] <= 0.08
-    conv, norm, _, _ = read_map_yaml(tmp_path / "grad_error_0.6_kernels.yaml")
-    assert all(str(o).isdigit() for o in conv.values()) and norm == "native"
-    assert result.score(conv, norm)["ratio"] <= 0.6
+    plan = CompressionPlan.read(tmp_path / "grad_error_0.08_unpooled.yaml")
+    assert all(str(o) == "1" or not str(o)[0].isdigit() for o in plan.map.values())
+    assert any(str(o).startswith("int") for o in plan.map.values())
+    assert result.score(plan)["ratio"] <= 0.08
+    plan = CompressionPlan.read(tmp_path / "grad_error_0.6_kernels.yaml")
+    assert all(str(o).isdigit() for o in plan.map.values()) and plan.norm_storage == "native"
+    assert result.score(plan)["ratio"] <= 0.6
 
 
 def test_menu_maps_narrow_both_parts_of_a_batchnorm_conv_item() -> None:
@@ -283,12 +287,9 @@ def test_make_results_handles_missing_and_present(sweep: Path, tmp_path: Path, m
     (results / "resnet18_per_layer.csv").write_text("block,stock_bytes,compressed_bytes\nstem,100,50\nlayer1.0,80,20\n")
     out = tmp_path / "docs" / "RESULTS.md"
     common = ["--out", str(out), "--results", str(results), "--memory-csv", str(results / "memory.csv"), "--no-measure"]
-    (results / "overview.md").write_text("# Overview\n\nIntro.\n\nAll measured here.\n\n## Speed\n\n"
-                                         "[speed](speed.md), [above](../RESULTS.md#speed), ![plot](a/b.png), [up](../usage.md)\n")
     assert mk.main([*common, "--cifar", str(tmp_path / "nope")]) == 0
     text = out.read_text()
-    assert "All measured here.\n\n### Speed\n\n[speed](results/speed.md), [above](#speed), " \
-           "![plot](results/a/b.png), [up](usage.md)" in text and "Intro." not in text  # one level down, links from docs/
+    assert "## Index" in text and "| [results/memory.csv](results/memory.csv) |" in text  # every study, its evidence
     assert "Pending: no runs" in text and "−29%" in text and "−36%" in text and "-44.6%" in text
     assert "not* CUDA peak" in text and "pending a GPU" in text
     valid_png(results / "memory_ratio.png")
@@ -315,7 +316,7 @@ def cifar_results(page: str) -> str:
 def test_make_results_lm_section_is_the_tracked_proof(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny Llama section: every row of docs/results/proof_tiny_llama/summary.json, from the tracked files."""
     monkeypatch.syspath_prepend(str(ANALYSIS))
-    section = script("lm_proof_section").lm_proof_section(REPO / "docs" / "results" / "proof_tiny_llama", REPO / "docs")
+    section = script("make_results").lm_proof_section(REPO / "docs" / "results" / "proof_tiny_llama", REPO / "docs")
     summary = json.loads((REPO / "docs" / "results" / "proof_tiny_llama" / "summary.json").read_text())
     text = "\n".join(section)
     assert "[summary](results/proof_tiny_llama/summary.md)" in text
@@ -324,7 +325,51 @@ def test_make_results_lm_section_is_the_tracked_proof(tmp_path: Path, monkeypatc
         assert f"| {row['config']} | {row['ratio']:.3f} | {row['mean']:.2f} ± {row['std']:.2f} |" in text
     knapsack = next(row["vs_best_uniform"] for row in rows if "vs_best_uniform" in row)
     assert f"p = {knapsack['p']:.2f}" in text
-    assert script("lm_proof_section").lm_proof_section(tmp_path, REPO / "docs")[0].startswith("*Not run yet")
+    assert script("make_results").lm_proof_section(tmp_path, REPO / "docs")[0].startswith("*Not run yet")
+
+
+def tracked(prefix: str) -> list[str]:
+    """The files git tracks under ``prefix`` that the working tree has (none outside a checkout)."""
+    listed = subprocess.run(["git", "ls-files", prefix], cwd=REPO, capture_output=True, text=True).stdout.split()
+    return [name for name in listed if (REPO / name).is_file()]
+
+
+def test_results_page_regenerates_from_the_committed_evidence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/RESULTS.md, the one index of the results, comes back byte for byte from the files git
+    tracks under docs/ (no run folders, no multirun; its plots are written into the copy)."""
+    monkeypatch.syspath_prepend(str(ANALYSIS))
+    names = tracked("docs")
+    if not names:
+        pytest.skip("not a git checkout")
+    for name in names:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / name, tmp_path / name)
+    docs = tmp_path / "docs"
+    assert script("make_results").main(["--out", str(docs / "RESULTS.md"), "--results", str(docs / "results"),
+                                        "--memory-csv", str(docs / "results" / "memory.csv"),
+                                        "--cifar", str(tmp_path / "no_multirun"), "--no-measure"]) == 0
+    assert (docs / "RESULTS.md").read_text() == (REPO / "docs" / "RESULTS.md").read_text()
+
+
+def test_every_relative_link_in_the_docs_resolves() -> None:
+    """README.md and docs/*.md link only to files (or folders) git tracks."""
+    import re
+
+    names = set(tracked("."))
+    if not names:
+        pytest.skip("not a git checkout")
+    folders = {str(parent) for name in names for parent in Path(name).parents}
+    pages = ["README.md", *sorted(n for n in names if re.fullmatch(r"docs/[^/]+\.md", n))]
+    missing = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", (REPO / page).read_text(), flags=re.S)  # code blocks hold no links
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:|#", target):
+                continue
+            path = os.path.normpath(os.path.join(os.path.dirname(page), target.split("#")[0]))
+            if path not in names and path not in folders:
+                missing.append(f"{page}: {target}")
+    assert not missing
 
 
 def test_hydra_sweep_callback(sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

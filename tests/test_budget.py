@@ -59,8 +59,8 @@ def test_budget_holds(setup, tmp_path: Path) -> None:
     model, batch, stock = setup
     budget = int(0.6 * stock)
     choice = lessmem.fit(model, batch, budget, optimizer=sgd)
-    assert not choice.stock and choice.map and choice.step_peak_bytes <= budget
-    net = lessmem.compress(copy.deepcopy(model), choice)
+    assert not choice.stock and choice.plan.map and choice.step_peak_bytes <= budget
+    net = lessmem.compress(copy.deepcopy(model), choice.plan)
     assert lessmem.measure_step_memory(net, batch, optimizer=sgd(net.parameters())).peak_bytes <= budget
     # From the cache: the menu and the measured points of the first search (a map may change with them).
     again = lessmem.fit(model, batch, budget, optimizer=sgd)
@@ -106,8 +106,8 @@ def test_nothing_fits(setup, tmp_path: Path) -> None:
 def test_stock_fits(setup, tmp_path: Path) -> None:
     model, batch, stock = setup
     choice = lessmem.fit(model, batch, stock, optimizer=sgd)
-    assert choice.stock and choice.map == {} and choice.step_peak_bytes == stock
-    assert not lessmem.compressed_layers(lessmem.compress(copy.deepcopy(model), choice))
+    assert choice.stock and choice.plan.map == {} and choice.step_peak_bytes == stock
+    assert not lessmem.compressed_layers(lessmem.compress(copy.deepcopy(model), choice.plan))
 
 
 def test_train_nothing_fits_is_one_line(run_cli, tiny, tmp_path: Path) -> None:
@@ -132,12 +132,16 @@ def test_train_stock_fits_records_budget(compose, tiny, tmp_path: Path, caplog: 
         assert record["compression"] == "budget_10GiB" and record["step_peak_bytes"] <= 10 * 2**30
 
 
-def test_plan_cli_writes_rows_table_and_plot(run_cli, tiny, tmp_path: Path) -> None:
+def test_plan_cli_writes_rows_table_and_plot(run_cli, tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from lessmem.cli.plan import main
 
-    out = tmp_path / "plan"
-    result = run_cli(main, "lessmem-plan", *tiny, f"out_dir={out}", "memory_budget=64MiB", "plan.factors=[1,2,8]")
+    out, cwd = tmp_path / "plan", tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    result = run_cli(main, "lessmem-plan", *tiny, f"hydra.run.dir={out}", "memory_budget=64MiB", "plan.factors=[1,2,8]")
     assert result.status == 0, result.stderr
+    assert not list(cwd.iterdir())  # everything in Hydra's run dir, as test_cli_run_dir.py checks for the others
+    assert {".hydra", "plan.log", "plan.csv", "plan.json", "plan.png"} <= {p.name for p in out.iterdir()}
     plan = json.loads((out / "plan.json").read_text())
     rows = plan["rows"]
     assert plan["memory_budget_bytes"] == 64 * 2**20 and len(rows) == 3

@@ -17,9 +17,9 @@ import torch
 from PIL import Image
 from torch import nn
 
-from lessmem.core import compress
+from lessmem.core import CompressionPlan, compress
 from lessmem.models import build_model
-from lessmem.sensitivity import MenuOptions, MenuResult, measure_menu, write_map_yaml
+from lessmem.sensitivity import MenuOptions, MenuResult, measure_menu
 
 REPO = Path(__file__).parents[1]
 ANALYSIS = REPO / "analysis"
@@ -57,8 +57,9 @@ def test_criterion_summary_ranks_a_perfect_predictor_first(tmp_path: Path) -> No
     (tmp_path / "maps").mkdir()
     write_run(tmp_path, "stock", 0, 90.0, 1.0)
     for name, conv in [("pool2", "2"), ("pool4", "4"), ("int4", "int4"), ("pool2_int4", "2/int4"), ("int8", "int8")]:
-        write_map_yaml({"*": conv}, tmp_path / "maps" / f"{name}.yaml")
-        score = menu.score({"*": conv})
+        plan = CompressionPlan({"*": conv})
+        plan.write(tmp_path / "maps" / f"{name}.yaml")
+        score = menu.score(plan)
         write_run(tmp_path, name, 0, 90.0 - 100 * score["grad_error"], score["ratio"])  # accuracy = -error
     analysis("criterion_summary", tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -89,6 +90,8 @@ def test_proof_summary_pairs_seeds_against_stock_and_the_best_uniform(tmp_path: 
     (search / "summary.json").write_text(json.dumps({
         "budget": 0.15, "complete_trials": 6, "pruned_trials": 4, "distinct_maps_trained": 5,
         "knapsack": {"trial": 0, "score": 0.41}, "best": {"trial": 3, "score": 0.43}, "best_is_knapsack": False}))
+    report = "# Menu search: menu_resnet20_b0.15\n\nBest: trial 3.\n\n| trial | score |\n|---|---|\n| 3 | 0.43 |\n"
+    (search / "report.md").write_text(report)
     analysis("proof_summary", tmp_path)
     result = json.loads((tmp_path / "summary.json").read_text())
     at_4x4 = result["budgets"]["4x4"]
@@ -101,14 +104,18 @@ def test_proof_summary_pairs_seeds_against_stock_and_the_best_uniform(tmp_path: 
     assert at_015["best_uniform"] == "int4_bn2"  # a searched map is not a uniform option
     assert next(r for r in at_015["rows"] if r["config"] == "chosen_0.15")["vs_best_uniform"]["mean_diff"] == \
         pytest.approx(1.0)
-    assert "| 0.15 | 10 (4) | 5 | 41.00 | trial 3: 43.00 | no | [search/b0.15/report.md]" in \
-        (tmp_path / "summary.md").read_text()
+    text = (tmp_path / "summary.md").read_text()
+    assert "| 0.15 | 10 (4) | 5 | 41.00 | trial 3: 43.00 | no | search/b0.15, below |" in text
+    assert "### search/b0.15: menu_resnet20_b0.15\n\nBest: trial 3.\n\n| trial | score |" in text  # the report, below
     with Image.open(tmp_path / "frontier.png") as im:
         im.verify()
-    published = (tmp_path / "summary.json").read_text()
+    published = [(tmp_path / name).read_text() for name in ("summary.json", "summary.md")]
     without_raw_runs(tmp_path)
+    shutil.rmtree(tmp_path / "search")  # runs.json carries the search's files
     analysis("proof_summary", tmp_path)
-    assert (tmp_path / "summary.json").read_text() == published
+    assert [(tmp_path / name).read_text() for name in ("summary.json", "summary.md")] == published
+    importlib.import_module("compact_runs").main(["--restore", str(tmp_path)])
+    assert (search / "report.md").read_text() == report and json.loads((search / "summary.json").read_text())["budget"] == 0.15
 
 
 def test_compact_runs_keeps_reuse_notes_adaptive_maps_and_the_stock_schedule(tmp_path: Path) -> None:
@@ -248,13 +255,14 @@ def test_criterion_check_trains_each_distinct_map_once() -> None:
     """Criteria that agree on a budget's map (all of them at a loose budget) give one
     configuration, not two runs of one map."""
     proof = importlib.import_module("proof")
-    menu = MenuResult.load(REPO / "docs/results/criterion_check_tensor_error/menu/menu.json")
+    menu = MenuResult.from_dict(importlib.import_module("compact_runs").read(  # runs.json carries the menu
+        REPO / "docs/results/criterion_check_tensor_error", "menu/menu.json"))
     budgets = [0.9, 0.08]
     knapsack = [menu.make_map(b, c) for b in budgets for c in menu.criteria]
     maps = list(proof.criterion_maps(menu, proof.PRESETS["resnet20"], budgets, n=20, seed=0).values())
     assert len(maps) == 20
-    assert all(not proof.same_map(a, b) for i, a in enumerate(maps) for b in maps[i + 1:])
-    assert sum(any(proof.same_map(a, b) for b in knapsack[:i]) for i, a in enumerate(knapsack)) > 0  # there were repeats
+    assert len({m.plan.digest for m in maps}) == len(maps)  # every map distinct
+    assert len({m.plan.digest for m in knapsack}) < len(knapsack)  # there were repeats
 
 
 def write_lm_run(out: Path, config: str, seed: int, ppl: float, ratio: float) -> None:

@@ -9,12 +9,12 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from lessmem.core import STORAGES
+from lessmem.core import STORAGES, compress
 from lessmem.experiment.compression import resolve_compression
 from lessmem.experiment.data import build_datasets, build_loaders
 from lessmem.experiment.loggers import CsvLogger, Logger, build_logger
-from lessmem.experiment.optim import build_optimizer, build_scheduler
 from lessmem.experiment.paths import conf_dir
+from lessmem.experiment.spec import LogSpec, OptimSpec
 from lessmem.experiment.task import task_of
 from lessmem.models import MODELS, build_model
 
@@ -125,7 +125,7 @@ def test_compression_option_applies(name: str) -> None:
     for model_name in MAP_TARGETS:  # the first model the map fits (every pattern must match)
         model = build_model(model_name, 10)
         try:
-            choice.apply(model)
+            compress(model, choice)
             break
         except ValueError as e:
             errors.append(f"{model_name}: {e}")
@@ -161,15 +161,19 @@ def test_map_file_overrides_map(tmp_path: Path, wrapped: bool) -> None:
 @pytest.mark.parametrize("name", options("optimizer"))
 def test_optimizer_option(name: str) -> None:
     cfg = compose("train", overrides=[f"optimizer={name}"])
-    opt = build_optimizer(cfg.optimizer, build_model("resnet20", 10).parameters())
+    optim = OptimSpec(OmegaConf.to_container(cfg.optimizer), OmegaConf.to_container(cfg.scheduler))
+    opt = optim.optimizer_for(build_model("resnet20", 10).parameters())
     assert opt.param_groups[0]["lr"] == cfg.optimizer.lr
+    assert {k: v for k, v in opt.defaults.items() if k in cfg.optimizer} == {
+        k: tuple(v) if k == "betas" else v for k, v in cfg.optimizer.items() if not k.startswith("_")}
 
 
 @pytest.mark.parametrize("name", options("scheduler"))
 def test_scheduler_option(name: str) -> None:
     cfg = compose("train", overrides=[f"scheduler={name}", "scheduler.warmup_epochs=1"])
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = build_scheduler(cfg.scheduler, opt, epochs=4, steps_per_epoch=10)
+    optim = OptimSpec(OmegaConf.to_container(cfg.optimizer), OmegaConf.to_container(cfg.scheduler))
+    sched = optim.schedule(opt, epochs=4, steps_per_epoch=10)
     lrs = []
     for _ in range(40):
         lrs.append(opt.param_groups[0]["lr"])
@@ -185,7 +189,8 @@ def test_logger_option(name: str, tmp_path: Path) -> None:
     if cfg.logger.name == "wandb":  # the offline/online init itself is covered in test_train
         assert cfg.logger.mode in ("offline", "online") and cfg.logger.project == "lessmem"
         cfg.logger.mode = "disabled"
-    logger = build_logger(cfg, tmp_path)
+    logger = build_logger(LogSpec(OmegaConf.to_container(cfg.logger), every_steps=0),
+                          OmegaConf.to_container(cfg), tmp_path, resume=False)
     assert isinstance(logger, Logger)
     logger.log({"epoch": 1, "val/top1": 0.5})
     logger.finish()
@@ -270,6 +275,6 @@ def test_storage_options_reach_the_run(compose, tiny) -> None:
     for choice in (plain, lossy):
         torch.manual_seed(0)
         net = build_model("resnet20", num_classes=10).train()
-        choice.apply(net)
+        compress(net, choice)
         nets.append(measure_memory(net, x).total_bytes)
     assert nets[1] < nets[0]

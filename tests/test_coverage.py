@@ -69,19 +69,20 @@ def test_functional_calls_are_listed():
     assert "not reachable by a map" in report.table()
 
 
-def test_coverage_cli_writes_table_csv_json_png(tmp_path, capsys, run_cli):
+def test_coverage_cli_writes_table_csv_json_png(tmp_path, run_cli):
     from PIL import Image
 
     from lessmem.cli.coverage import main
 
     out = tmp_path / "cov"
-    assert main(["model=resnet20", "compression=pool4", "dataset=synthetic",
-                 "coverage.batch=2", f"coverage.out={out}"]) == 0
-    printed = capsys.readouterr().out
-    assert "FULL: BatchNorm input" in printed and "pooled 4x4" in printed
+    result = run_cli(main, "lessmem-coverage", "model=resnet20", "compression=pool4", "dataset=synthetic",
+                     "coverage.batch=2", f"coverage.out={out}")
+    assert result.status == 0, result.stderr
+    assert "FULL: BatchNorm input" in result.stdout and "pooled 4x4" in result.stdout
     for name in ("coverage.csv", "coverage.json", "coverage.png"):
         assert (out / name).stat().st_size > 0
     with Image.open(out / "coverage.png") as img:
         img.verify()
-    bad = run_cli(main, "lessmem-coverage", "model=resnet20", 'compression.map="nope:2"', "dataset=synthetic")
+    bad = run_cli(main, "lessmem-coverage", "model=resnet20", 'compression.map="nope:2"', "dataset=synthetic",
+                  f"hydra.run.dir={tmp_path / 'bad'}")
     assert bad.is_one_error("lessmem-coverage", "match no compressible layer")

@@ -42,6 +42,33 @@ def decoded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
     return seen
 
 
+def test_decoding_without_a_terminal_logs_lines_not_a_bar(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Under pytest stderr is not a terminal, as in a log file or a cluster job: no tqdm bar (its
+    carriage returns), but a line at the start, at each quarter and at the end, with counts and rate."""
+    image_folder(tmp_path / "data", {"cat": 8})
+    files = sorted(str(f) for f in (tmp_path / "data" / "train" / "cat").iterdir())
+    with caplog.at_level("INFO"):
+        images = decode_cache.decode_files(files, None, desc="decoding train")
+    assert images.shape == (8, 3, 32, 32)
+    captured = capsys.readouterr()
+    lines = [r.getMessage() for r in caplog.records if r.name == "lessmem.experiment.progress"]
+    assert "\r" not in captured.err + captured.out + caplog.text
+    assert lines[0] == "decoding train: 0/8 img"
+    assert [line.split(",")[0] for line in lines[1:-1]] == [f"decoding train: {n}/8 img ({n * 100 // 8}%)"
+                                                           for n in (2, 4, 6)]
+    assert lines[-1].startswith("decoding train: 8/8 img in ") and lines[-1].endswith(" img/s")
+
+
+def test_progress_is_a_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    from lessmem.experiment import with_progress
+
+    monkeypatch.setattr("lessmem.experiment.progress.on_terminal", lambda: True)
+    with caplog.at_level("INFO"):
+        assert list(with_progress(range(3), "work", "item")) == [0, 1, 2]
+    assert "work: 100%" in capsys.readouterr().err and not caplog.records
+
 def test_fixed_batches_decode_only_their_files(tmp_path: Path, decoded: list[str]) -> None:
     image_folder(tmp_path / "data", {"cat": 20, "dog": 20})
     cfg = compose_config([f"dataset.root={tmp_path / 'data'}", "seed=3"])

@@ -223,3 +223,21 @@ def test_coverage_of_the_lm_runs_on_token_blocks(tiny_lm: tuple[str, ...]) -> No
     report = coverage_for_config(compose_config([*tiny_lm, "compression=pool2"]))
     summary = report.summary()
     assert 0 < summary["compressed_bytes"] < summary["total_bytes"] < summary["stock_bytes"]
+
+
+def test_adaptive_plan_applies_its_saved_region_storages(tmp_path: Path, tiny_lm: tuple[str, ...]) -> None:
+    """The adaptive schedule hands the run the menu's whole plan: saved-region storages (norm
+    inputs, attention's q / k / v) are applied, so the bytes measured right after it equal the
+    menu's prediction (a plan without them keeps those tensors full size), and the checkpoint
+    carries them for resume."""
+    out = tmp_path / "adaptive"
+    metrics = run(compose_config([*tiny_lm, f"out_dir={out}", "compression=none", "adaptive.every=1",
+                                  "adaptive.budget=0.45", "adaptive.probe_batch=4", "adaptive.kernels=[1]",
+                                  "adaptive.storages=[native,int8]", "adaptive.norm_storages=[]",
+                                  "adaptive.act_storages=[]", "adaptive.saved_storages=[int4]",
+                                  "adaptive.from_bn=false"]))
+    (change,) = [json.loads(line) for line in (out / "adaptive.jsonl").read_text().splitlines()]
+    assert change["saved_storage"] != "native"
+    assert change["saved_bytes"] / metrics["stock_saved_bytes"] == pytest.approx(change["predicted_ratio"])
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert ckpt["adaptive_plan"]["saved_storage"] == change["saved_storage"]

@@ -13,15 +13,13 @@ import torch.nn.functional as F
 from test_sensitivity import batches, tiny_cnn
 
 import lessmem
-from lessmem.core import load_rounding_state, rounding_state
+from lessmem.core import CompressionPlan, load_rounding_state, rounding_state
 from lessmem.experiment.compression import resolve_compression
 from lessmem.sensitivity import (
     MenuItem,
     MenuOptions,
     MenuResult,
     measure_menu,
-    read_map_yaml,
-    write_map_yaml,
 )
 
 KERNELS = (1, 2, 4)
@@ -87,10 +85,10 @@ def test_predicted_bytes_of_maps_with_from_bn_equal_measured(joint_menu: MenuRes
         if i.group is not None:
             chosen[i.name] = chosen[next(j.name for j in joint_menu.items if j.group == i.group)]
     choice = joint_menu.choice_of(chosen)
-    assert choice.map["3.conv2"] == "from_bn"
-    assert joint_menu.options_of(choice.map, choice.norm_storage) == chosen
+    assert choice.plan.map["3.conv2"] == "from_bn"
+    assert joint_menu.options_of(choice.plan) == chosen
     x = batches()[0][0]
-    model = lessmem.compress(tiny_cnn().train(), choice.map, norm_storage=choice.norm_storage)
+    model = lessmem.compress(tiny_cnn().train(), choice.plan)
     assert choice.score["bytes"] == lessmem.measure_memory(model, x).total_bytes
 
 
@@ -98,11 +96,11 @@ def test_the_knapsack_rebuilds_where_bytes_are_short(joint_menu: MenuResult) -> 
     """Below what the menu reaches without from_bn the knapsack must rebuild; the uniform maps
     set the BatchNorm part of a norm_conv item too."""
     without = joint_menu.least_ratio()
-    assert joint_menu.make_map(1.0).score["bytes"] == joint_menu.score(None)["bytes"]
+    assert joint_menu.make_map(1.0).score["bytes"] == joint_menu.score(CompressionPlan())["bytes"]
     tight = joint_menu.make_map(without * 1.02)
     assert tight.score["ratio"] <= without * 1.02
     uniform = joint_menu.uniform_choice("int8", "int2")
-    assert uniform.map["3.conv2"] == "int8" and uniform.norm_storage == {"1": "int2", "3.bn1": "int2"}
+    assert uniform.plan.map["3.conv2"] == "int8" and uniform.plan.norm_storage == {"1": "int2", "3.bn1": "int2"}
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -115,7 +113,7 @@ def test_predicted_bytes_equal_measured(menu: MenuResult, seed: int) -> None:
     convs = [i for i in menu.items if i.kind == "conv"]
     mapping = {i.name: rng.choice(i.options) for i in convs}
     norm = {i.name: rng.choice(i.options) for i in menu.items if i.kind == "norm"}
-    predicted = menu.score(mapping, norm)
+    predicted = menu.score(CompressionPlan(mapping, norm))
     measured = lessmem.measure_memory(lessmem.compress(copy.deepcopy(model), mapping, norm_storage=norm), x)
     stock = lessmem.measure_memory(model, x)
     assert predicted["bytes"] == measured.total_bytes
@@ -132,7 +130,7 @@ def test_conv_errors_add_up_to_the_whole_gradient_error(menu: MenuResult) -> Non
         exact = whole_grad(copy.deepcopy(model), batch)
         approx = whole_grad(lessmem.compress(model, mapping), batch)
         errors.append(float((approx - exact).square().sum() / exact.square().sum()))
-    assert menu.score(mapping)["grad_error"] == pytest.approx(sum(errors) / len(errors), rel=1e-6)
+    assert menu.score(CompressionPlan(mapping))["grad_error"] == pytest.approx(sum(errors) / len(errors), rel=1e-6)
 
 
 def test_norm_probe_is_an_actual_compressed_backward(menu: MenuResult) -> None:
@@ -174,7 +172,7 @@ def test_tensor_error_is_the_mean_per_tensor_error_of_a_compressed_backward(menu
         approx = whole_grad(lessmem.compress(model, None, norm_storage={"3.bn1": "int2"}), batch)
         load_rounding_state(state)
         norm_errors.append(tensor_errors(approx, exact, model))
-    assert menu.score(mapping)["tensor_error"] == pytest.approx(sum(conv_errors) / len(conv_errors), rel=1e-6)
+    assert menu.score(CompressionPlan(mapping))["tensor_error"] == pytest.approx(sum(conv_errors) / len(conv_errors), rel=1e-6)
     item = next(i for i in menu.items if i.name == "3.bn1")
     assert item.mean("tensor_error")[item.index("int2")] == pytest.approx(sum(norm_errors) / len(norm_errors),
                                                                           rel=1e-6)
@@ -185,8 +183,8 @@ def test_a_menu_measured_before_a_criterion_scores_without_it(menu: MenuResult) 
     for item in d["items"]:
         del item["criteria"]["tensor_error"]
     old = MenuResult.from_dict(d)
-    assert "tensor_error" not in old.criteria and "tensor_error" not in old.score({"0": "2"})
-    assert old.score({"0": "2"})["grad_error"] == menu.score({"0": "2"})["grad_error"]
+    assert "tensor_error" not in old.criteria and "tensor_error" not in old.score(CompressionPlan({"0": "2"}))
+    assert old.score(CompressionPlan({"0": "2"}))["grad_error"] == menu.score(CompressionPlan({"0": "2"}))["grad_error"]
     with pytest.raises(ValueError, match="measured without criterion 'tensor_error'"):
         old.make_map(0.5, "tensor_error")
 
@@ -207,7 +205,7 @@ def test_knapsack_map_fits_and_is_measured_within_budget(menu: MenuResult, budge
     choice = menu.make_map(budget)
     model = tiny_cnn().train()
     x = batches()[0][0]
-    compressed = lessmem.compress(copy.deepcopy(model), choice.map, norm_storage=choice.norm_storage)
+    compressed = lessmem.compress(copy.deepcopy(model), choice.plan)
     ratio = lessmem.measure_memory(compressed, x).ratio_to(lessmem.measure_memory(model, x))
     assert ratio <= budget and choice.score["ratio"] == pytest.approx(ratio)
 
@@ -219,7 +217,7 @@ def test_knapsack_is_optimal_against_brute_force() -> None:
         n = rng.randint(2, 4)
         errs = [0.0] + sorted(rng.random() for _ in range(n - 1))
         nbytes = [1000] + sorted((rng.randint(50, 400) for _ in range(n - 1)), reverse=True)
-        items.append(MenuItem(f"n{i}", "norm", ["native", *[f"s{j}" for j in range(1, n)]], nbytes,
+        items.append(MenuItem(f"n{i}", "norm", ["native", "int8", "int4", "int2"][:n], nbytes,
                               {"grad_error": [errs], "loss_change": [errs], "cosine": [[1 - e for e in errs]]}))
     menu = MenuResult(items, stock_bytes=6000, base_bytes=500)
     for budget in (0.45, 0.6, 0.75):
@@ -236,8 +234,8 @@ def test_knapsack_is_optimal_against_brute_force() -> None:
                      for combo in itertools.product(*(range(len(it.options)) for it in items))
                      if 500 + sum(it.nbytes[j] for it, j in zip(items, combo, strict=True)) <= budget * 6000)
         weighted = menu.make_map(budget, "grad_error", weights=weights)
-        chosen = [it.index(weighted.norm_storage.get(it.name, "native") if isinstance(weighted.norm_storage, dict)
-                           else weighted.norm_storage) for it in items]
+        norm = weighted.plan.norm_storage
+        chosen = [it.index(norm.get(it.name, "native") if isinstance(norm, dict) else norm) for it in items]
         assert sum(weights[it.name] * it.mean("grad_error")[j] for it, j in zip(items, chosen, strict=True)) \
             == pytest.approx(best_w[0])
         assert weighted.score["grad_error"] == pytest.approx(
@@ -247,7 +245,7 @@ def test_knapsack_is_optimal_against_brute_force() -> None:
 
 def test_bad_requests_say_what_is_wrong(menu: MenuResult) -> None:
     with pytest.raises(ValueError, match="option '8' was not measured"):
-        menu.score({"*": 8})
+        menu.score(CompressionPlan({"*": 8}))
     with pytest.raises(ValueError, match="no map fits 0.010x stock saved bytes; the menu's smallest is"):
         menu.make_map(0.01)
     with pytest.raises(ValueError, match="unknown criterion 'accuracy'"):
@@ -269,17 +267,16 @@ def test_menu_and_map_files_round_trip(menu: MenuResult, tmp_path) -> None:
     assert len(paths["csv"].read_text().splitlines()) == 1 + sum(len(i.options) for i in menu.items)
     again = MenuResult.load(tmp_path)
     choice = menu.make_map(0.4)
-    assert again.make_map(0.4).map == choice.map
-    path = write_map_yaml(choice.map, tmp_path / "chosen.yaml", norm_storage=choice.norm_storage,
-                          act_storage="native", comment="test map")
-    mapping, norm, act, saved = read_map_yaml(path)
-    assert (mapping, norm, act, saved) == (choice.map, choice.norm_storage, "native", "native")
-    assert menu.score(mapping, norm, act) == choice.score
+    assert again.make_map(0.4).plan == choice.plan
+    path = choice.plan.write(tmp_path / "chosen.yaml", comment="test map")
+    read = CompressionPlan.read(path)
+    assert read.replace(name="", source="") == choice.plan and read.name == "chosen"
+    assert read.digest == choice.plan.digest and menu.score(read) == choice.score
     from omegaconf import OmegaConf
 
     run_choice = resolve_compression(OmegaConf.create({"map": {}, "map_file": str(path), "norm_storage": "native",
                                                        "act_storage": "native", "exact_companions": None}))
-    assert run_choice.map == choice.map and run_choice.norm_storage == choice.norm_storage
+    assert run_choice.digest == choice.plan.digest
 
 
 def test_cli_menu_writes_measurement_and_a_map_a_run_can_use(tmp_path, run_cli, tiny, compose) -> None:
@@ -292,11 +289,11 @@ def test_cli_menu_writes_measurement_and_a_map_a_run_can_use(tmp_path, run_cli, 
     assert result.status == 0, result.stderr
     menu = MenuResult.load(out)
     assert {i.kind for i in menu.items} == {"conv", "norm", "norm_conv"} and menu.meta["weights"] == "random init"
-    mapping, norm, _, _ = read_map_yaml(out / "menu_resnet20.yaml")
-    assert menu.score(mapping, norm)["ratio"] <= 0.2
+    written = CompressionPlan.read(out / "menu_resnet20.yaml")
+    assert menu.score(written)["ratio"] <= 0.2
     cfg = compose(*tiny, f"compression.map_file={out / 'menu_resnet20.yaml'}")
     choice = resolve_compression(cfg.compression)
-    assert choice.map == mapping and choice.norm_storage == norm
+    assert choice.digest == written.digest
     bad = run_cli(cli.main, "lessmem-sensitivity", "model=resnet20", "dataset=synthetic",
                   "sensitivity.batches=1", "sensitivity.batch_size=4", "sensitivity.criterion=accuracy",
                   f"sensitivity.out={out}")
@@ -323,5 +320,5 @@ def test_language_model_menu_predicts_bytes_exactly(seed: int) -> None:
     mapping = {i.name: rng.choice(i.options) for i in menu.items if i.kind == "linear"}
     act = {i.name: "int8" for i in menu.items if i.kind == "act"}
     measured = lessmem.measure_memory(lessmem.compress(copy.deepcopy(model), mapping, act_storage=act), x)
-    assert menu.score(mapping, "native", act)["bytes"] == measured.total_bytes
+    assert menu.score(CompressionPlan(mapping, act_storage=act))["bytes"] == measured.total_bytes
     assert menu.make_map(0.7, "grad_error").score["ratio"] <= 0.7

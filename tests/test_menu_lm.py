@@ -32,8 +32,7 @@ SMALL_LMS = {
 
 
 def applied(model: torch.nn.Module, choice) -> torch.nn.Module:
-    return lessmem.compress(copy.deepcopy(model), choice.map, norm_storage=choice.norm_storage,
-                            act_storage=choice.act_storage, saved_storage=choice.saved_storage)
+    return lessmem.compress(copy.deepcopy(model), choice.plan)
 
 
 @pytest.fixture(scope="module", params=list(SMALL_LMS))

@@ -208,7 +208,7 @@ def test_resnet20_preset_fits_its_budget() -> None:
 
     cfg = compose_config(["model=resnet20", "compression=resnet20_from_bn"])
     model = build_model("resnet20", 10).train()
-    resolve_compression(cfg.compression).apply(model)
+    compress(model, resolve_compression(cfg.compression))
     x = torch.randn(4, 3, 32, 32)
     saved = measure_memory(model, x)
     assert saved.total_bytes < 0.08 * measure_memory(build_model("resnet20", 10).train(), x).total_bytes

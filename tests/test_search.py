@@ -11,7 +11,7 @@ import torch
 import yaml
 from PIL import Image
 
-from lessmem.experiment import build_model_from_cfg, compose_config
+from lessmem.experiment import compose_config, model_spec
 from lessmem.experiment.data import fixed_batches
 from lessmem.search import check_criterion, run_search
 from lessmem.search.run import check_search, open_search_study
@@ -35,7 +35,7 @@ def menu_file(tmp_path, base: list[str]):
     torch.manual_seed(0)
     options = MenuOptions(kernels=(1, 2, 4), storages=("native", "int8", "int4"), norm_storages=("int8", "int4"),
                           act_storages=())
-    menu = measure_menu(build_model_from_cfg(cfg).train(), fixed_batches(cfg, 1, 4), options)
+    menu = measure_menu(model_spec(cfg.model).build().train(), fixed_batches(cfg, 1, 4), options)
     menu.save(tmp_path / "menu", heatmap=False)
     return menu, tmp_path / "menu" / "menu.json"
 
@@ -59,7 +59,7 @@ def test_menu_search_trains_knapsack_variations_within_budget(tmp_path, monkeypa
     trials = sorted(study.trials, key=lambda t: t.number)
     chosen = menu.make_map(0.4, "grad_error")
     knapsack = yaml.safe_load((tmp_path / "s" / "trials" / "0000" / "compression.yaml").read_text())
-    assert {k: str(v) for k, v in knapsack["map"].items()} == chosen.map
+    assert {k: str(v) for k, v in knapsack["map"].items()} == chosen.plan.map
     assert trials[1].user_attrs["same_as"] == 0 and trials[1].value == trials[0].value
     assert not (tmp_path / "s" / "trials" / "0001" / "train").exists()
     for t in trials:
@@ -106,7 +106,7 @@ def test_search_without_a_config_is_a_usage_error(monkeypatch, capsys) -> None:
 
 def test_search_command_runs_a_sweeps_config(tmp_path, run_cli, base) -> None:
     """``lessmem-search -cd sweeps -cn menu_resnet20`` as documented, on tiny data: the sweep's own
-    menu file, criterion, score and pruner; the report lands in out_dir. A budget below the menu's
+    menu file, criterion, score and pruner; everything lands in its run dir. A budget below the menu's
     smallest map is one error line before any trial."""
     from pathlib import Path
 
@@ -115,9 +115,10 @@ def test_search_command_runs_a_sweeps_config(tmp_path, run_cli, base) -> None:
     repo = Path(__file__).parents[1]
     cmd = ["-cd", str(repo / "sweeps"), "-cn", "menu_resnet20", "n_trials=1",
            f"menu_file={repo / 'docs/results/criterion_check/menu/menu.json'}", f"base_overrides={json.dumps(base)}"]
-    result = run_cli(search.main, "lessmem-search", *cmd, f"out_dir={tmp_path / 's'}")
+    result = run_cli(search.main, "lessmem-search", *cmd, f"hydra.run.dir={tmp_path / 's'}")  # out_dir= below
     assert result.status == 0, result.stderr
     summary = json.loads((tmp_path / "s" / "summary.json").read_text())
+    assert (tmp_path / "s" / "study.journal").is_file() and (tmp_path / "s" / "search.log").is_file()
     assert summary["complete_trials"] == 1 and summary["knapsack"]["trial"] == 0
     assert (summary["criterion"], summary["score_key"], summary["pruner"]) == ("grad_error", "final_top1", "median")
     assert summary["knapsack"]["ratio"] <= summary["budget"] == 0.547

@@ -95,7 +95,7 @@ def test_saved_bytes_match_measure_memory() -> None:
     menu = kernel_menu(copy.deepcopy(model), [batches(1)[0]])
     for m in ({"*": 2}, {"3.conv1": 4, "3.down": 2, "4": 2}, {"3.conv1": 2, "0": 4}):
         lessmem.compress(model, m)
-        assert menu.score(m)["bytes"] == lessmem.measure_memory(model, x).total_bytes, m
+        assert menu.score(lessmem.CompressionPlan(m))["bytes"] == lessmem.measure_memory(model, x).total_bytes, m
         lessmem.uncompress(model)
 
 
@@ -112,6 +112,6 @@ def test_kernel_map_fits_the_budget_and_compresses() -> None:
     for frac in (0.9, 0.7, 0.5):
         choice = menu.make_map(frac)
         assert choice.score["ratio"] <= frac
-        assert choice.norm_storage == "native" and choice.act_storage == "native"
-        assert all(o in ("1", "2", "4", "8") for o in choice.map.values())
-        lessmem.compress(tiny_cnn(), choice.map)  # usable as a compression map
+        assert choice.plan.norm_storage == "native" and choice.plan.act_storage == "native"
+        assert all(o in ("1", "2", "4", "8") for o in choice.plan.map.values())
+        lessmem.compress(tiny_cnn(), choice.plan)  # usable as it is

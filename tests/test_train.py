@@ -12,8 +12,8 @@ from hydra import compose, initialize_config_dir
 
 import lessmem.experiment.train as train_mod
 from lessmem.cli.train import train_main
+from lessmem.core import CompressionPlan
 from lessmem.experiment import compose_config
-from lessmem.experiment.compression import resolve_compression
 from lessmem.experiment.paths import conf_dir
 from lessmem.experiment.train import TIME_KEYS, run
 
@@ -187,9 +187,9 @@ def test_adaptive_schedule_reassigns_kernels_within_budget(tmp_path: Path, make_
     assert metrics["epochs"] == 2
     # The checkpoint carries the map in force, and resume re-applies it.
     ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
-    assert ckpt["adaptive_map"] is not None
+    assert ckpt["adaptive_plan"] is not None
     model = build_model("resnet20", num_classes=10)
-    resolve_compression(make_cfg(out).compression).adapted(ckpt["adaptive_map"]).apply(model)
+    lessmem.compress(model, CompressionPlan.from_dict(ckpt["adaptive_plan"]))
     kernels = {n: str(s.kernel[0]) for n, s in lessmem.compressed_layers(model).items() if s.kernel[0] > 1}
     assert kernels == changes[-1]["map"]
 
@@ -215,7 +215,7 @@ def test_adaptive_menu_rechooses_map_and_storages_within_budget(tmp_path: Path, 
         assert c["map"] and c["norm_storage"] != "native"
     ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
     model = build_model("resnet20", num_classes=10)
-    resolve_compression(make_cfg(out, *over).compression).adapted(ckpt["adaptive_map"]).apply(model)
+    lessmem.compress(model, CompressionPlan.from_dict(ckpt["adaptive_plan"]))
     x = torch.randn(4, 3, 32, 32)
     ratio = lessmem.measure_memory(model, x).ratio_to(lessmem.measure_memory(build_model("resnet20", num_classes=10), x))
     assert ratio == pytest.approx(changes[-1]["predicted_ratio"])

@@ -3,12 +3,14 @@
 The library (torch only): ``compress``, ``uncompress``, ``measure_memory`` (saved-for-backward
 bytes), ``measure_step_memory`` (whole-step peak), ``coverage``, ``measure_menu``
 (every compression choice a ``MenuOptions`` offers: its bytes and gradient error; ``MenuResult.make_map`` picks a map) and
-``fit`` (a map whose whole training step fits a memory budget: ``compress(model, fit(...))``) below. The
+``fit`` (a plan whose whole training step fits a memory budget: ``compress(model, fit(...).plan)``)
+below; every chooser hands back one ``CompressionPlan``, what ``compress`` takes. The
 experiment framework (Hydra, Optuna, W&B) is built on it in ``lessmem.experiment``, ``lessmem.search``, ``lessmem.reporting`` and ``lessmem.cli``; see
 docs/architecture.md for the layers and the one direction their imports run.
 """
 
 from lessmem.core import (
+    CompressionPlan,
     CoverageReport,
     LayerSpec,
     MemoryReport,
@@ -22,16 +24,18 @@ from lessmem.core import (
     track_step_memory,
     uncompress,
 )
-from lessmem.sensitivity import BudgetChoice, MenuOptions, MenuResult, fit, measure_menu
+from lessmem.sensitivity import BudgetFit, MenuOptions, MenuResult, ScoredPlan, fit, measure_menu
 
 __version__ = "0.1.0"
 __all__ = [
-    "BudgetChoice",
+    "BudgetFit",
+    "CompressionPlan",
     "CoverageReport",
     "LayerSpec",
     "MemoryReport",
     "MenuOptions",
     "MenuResult",
+    "ScoredPlan",
     "StepMemoryReport",
     "compress",
     "compressed_layers",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -69,6 +69,16 @@ def exit_on_user_error(prog: str) -> Iterator[None]:
         raise SystemExit(2) from None
 
 
+def job_errors(prog: str) -> contextlib.AbstractContextManager[None]:
+    """Inside a ``@hydra.main`` task: a user error of a single run ends with one error line (before
+    Hydra adds its "Error executing job" line); in a sweep (``-m``) it fails its own job only, and
+    Hydra records it for the sweeper."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return contextlib.nullcontext() if HydraConfig.get().mode == RunMode.MULTIRUN else exit_on_user_error(prog)
+
+
 def hydra_entry(prog: str, main: Callable[[], Any]) -> None:
     """Run a ``@hydra.main`` function with one-line errors. Hydra reports its own errors (an
     unknown config group option, a bad override) over several lines and exits, unless
@@ -85,13 +95,3 @@ def hydra_entry(prog: str, main: Callable[[], Any]) -> None:
     finally:
         os.environ.pop("HYDRA_FULL_ERROR", None)
         os.environ.pop(_FORCED, None)
-
-
-def command_args(argv: Sequence[str] | None, doc: str | None) -> list[str] | None:
-    """A Hydra-override command's arguments (``sys.argv[1:]`` when ``argv`` is None), or None once
-    ``-h`` / ``--help`` has printed the command's ``doc``."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in args):
-        print(doc)
-        return None
-    return args

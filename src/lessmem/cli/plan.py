@@ -1,14 +1,15 @@
 """``lessmem-plan [hydra overrides]``: what a larger batch costs under a memory budget.
 
     lessmem-plan model=resnet18 dataset=synthetic dataset.image_size=224 batch_size=32 memory_budget=4GiB
-    lessmem-plan experiment=lm_quick memory_budget=150MiB plan.factors=[1,2,4]
+    lessmem-plan experiment=lm_quick memory_budget=150MiB plan.factors=[1,2,4] hydra.run.dir=DIR
 
 The config is ``conf/plan.yaml`` (the training config plus ``plan.*``). One profile of the run's
 model, first batch of ``batch_size``, optimizer, loss, precision and device (what
 ``lessmem-train memory_budget=...`` measures, from the same cache); then for batch sizes from
 stock's largest within the budget up to 8x it, the best map's predicted whole-step peak and
-whole-gradient error. Writes the table, ``plan.csv``, ``plan.json`` and ``plan.png`` to
-``out_dir`` (default ``outputs/plan/<model>_b<batch>_<budget>``). Predictions, not measured steps:
+whole-gradient error. Prints the table and writes ``plan.csv``, ``plan.json`` and ``plan.png`` to
+Hydra's run dir (default ``outputs/plan/<model>_b<batch>_<budget>``, also set by ``out_dir=DIR``;
+in a multirun each job's directory under ``hydra.sweep.dir``). Predictions, not measured steps:
 ``lessmem-train batch_size=N memory_budget=...`` measures the chosen map's step before training.
 """
 
@@ -17,26 +18,22 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
-import logging
-from collections.abc import Sequence
 
-from omegaconf import open_dict
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
 
-from lessmem.cli.errors import command_args, exit_on_user_error
-from lessmem.experiment import compose_config, plan_for_config
+from lessmem.cli.errors import hydra_entry, job_errors
+from lessmem.experiment import conf_dir, plan_for_config
 from lessmem.reporting import MiB, plot_batch_plan
 
+PROG = "lessmem-plan"
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = command_args(argv, __doc__)
-    if argv is None:
-        return 0
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the profile's progress (lessmem.fit)
-    with exit_on_user_error("lessmem-plan"):
-        cfg = compose_config(argv, "plan")
-        if not cfg.get("out_dir"):
-            with open_dict(cfg):
-                cfg.out_dir = f"outputs/plan/{cfg.model.name}_b{cfg.batch_size}_{cfg.get('memory_budget')}"
+
+@hydra.main(config_path=str(conf_dir()), config_name="plan", version_base="1.3")
+def _plan(cfg: DictConfig) -> None:
+    cfg.out_dir = HydraConfig.get().runtime.output_dir  # out_dir= only names the run dir's default (plan.yaml)
+    with job_errors(PROG):
         spec, budget, rows = plan_for_config(cfg, tuple(float(f) for f in cfg.plan.factors))
     records = [dataclasses.asdict(r) for r in rows]
     title = f"{cfg.model.name}: memory_budget={spec.memory_budget} ({budget / MiB:.1f} MiB)"
@@ -57,8 +54,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                "model": cfg.model.name, "rows": records}, indent=1))
     plot_batch_plan(records, budget, out / "plan.png", title)
     print(f"wrote {out / 'plan.csv'}, plan.json, plan.png")
-    return 0
+
+
+def main() -> None:
+    """``lessmem-plan``: Hydra arguments; a bad setting (no ``memory_budget``) ends with one error
+    line, exit 2."""
+    hydra_entry(PROG, _plan)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -1,6 +1,7 @@
 """``lessmem-search -cd sweeps -cn <search> [key=value ...]``: an Optuna search over compression
 maps (``lessmem.search``), resumed by rerunning the same command. The config is a search config
-(``defaults: [search, _self_]``, e.g. ``sweeps/menu_resnet20.yaml``); there is no default search."""
+(``defaults: [search, _self_]``, e.g. ``sweeps/menu_resnet20.yaml``); there is no default search.
+Everything goes to Hydra's run dir (default ``out_dir``: ``outputs/search/<study_name>``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 
 import hydra
 import optuna
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from lessmem.cli.errors import exit_on_user_error, hydra_entry
@@ -24,6 +26,7 @@ def _search(cfg: DictConfig) -> None:
         if "study_name" not in cfg:
             raise ValueError("no search config; name one: lessmem-search -cd sweeps -cn <name> "
                              "(a config with `defaults: [search, _self_]`)")
+        cfg.out_dir = HydraConfig.get().runtime.output_dir  # out_dir= only names the run dir's default
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         logging.getLogger("lessmem").setLevel(logging.INFO)
         summary = run_search(cfg)

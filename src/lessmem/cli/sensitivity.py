@@ -3,23 +3,29 @@ compression choice's bytes and gradient error, ``lessmem.search.measure_config_m
 menu.json / menu.csv / menu.png and the knapsack's map of least ``sensitivity.criterion`` within
 ``sensitivity.budget`` (a fraction of stock's total saved bytes).
 
-    lessmem-sensitivity model=resnet20 dataset=cifar10 sensitivity.batches=4 sensitivity.out=DIR
+    lessmem-sensitivity model=resnet20 dataset=cifar10 sensitivity.batches=4 hydra.run.dir=DIR
     lessmem-sensitivity model=resnet20 menu=kernels          # kernel-only: pooling, native storage
+    lessmem-sensitivity -m model=resnet20,resnet18_cifar     # one menu per model (multirun)
 
 The config is ``conf/sensitivity.yaml``: the training config, the ``menu`` group (``full`` or
-``kernels``) and ``sensitivity.*``."""
+``kernels``) and ``sensitivity.*``. Everything goes to Hydra's run dir (default
+``outputs/sensitivity/<model>``, also set by ``sensitivity.out=DIR``; in a multirun each job's
+directory under ``hydra.sweep.dir``)."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Sequence
 from pathlib import Path
 
-from lessmem.cli.errors import command_args, exit_on_user_error
-from lessmem.experiment import compose_config
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from lessmem.cli.errors import hydra_entry, job_errors
+from lessmem.experiment import conf_dir
 from lessmem.search import check_criterion, measure_config_menu, write_menu_files
 from lessmem.sensitivity import JOINT_KIND, MAP_KINDS, MenuResult
 
+PROG = "lessmem-sensitivity"
 # Uniform options the summary prints (conv spec, BatchNorm storage), those the menu measured.
 UNIFORM = [("2", "native"), ("4", "native"), ("int8", "native"), ("int8", "int8"), ("2/int4", "native"),
            ("int4", "int4"), ("int4", "int2"), ("2/int4", "int4")]
@@ -42,24 +48,25 @@ def _print_menu(result: MenuResult) -> None:
     print(f"least reachable saved-bytes ratio: {result.least_ratio():.4f}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = command_args(argv, __doc__)
-    if argv is None:
-        return 0
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    with exit_on_user_error("lessmem-sensitivity"):
-        cfg = compose_config(argv, "sensitivity")
+@hydra.main(config_path=str(conf_dir()), config_name="sensitivity", version_base="1.3")
+def _sensitivity(cfg: DictConfig) -> None:
+    with job_errors(PROG):
         opts = cfg.sensitivity
         check_criterion(str(opts.criterion))
         result = measure_config_menu(cfg, cfg.menu, opts)
-        out = Path(str(opts.out or f"outputs/sensitivity/{cfg.model.name}"))
+        out = Path(HydraConfig.get().runtime.output_dir)
         _, paths = write_menu_files(result, float(opts.budget), str(opts.criterion), out,
                                     Path(str(opts.map_out)) if opts.map_out else None)
     _print_menu(result)
     for key, p in paths.items():
         print(f"{key}: {p}")
-    return 0
+
+
+def main() -> None:
+    """``lessmem-sensitivity``: Hydra arguments; bad settings or an unreadable checkpoint end with
+    one error line, exit 2."""
+    hydra_entry(PROG, _sensitivity)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

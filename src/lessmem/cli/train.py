@@ -6,7 +6,6 @@ status is 130 / 143."""
 
 from __future__ import annotations
 
-import contextlib
 import shlex
 import sys
 from typing import Any
@@ -15,7 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from lessmem.cli.errors import exit_on_user_error, hydra_entry
+from lessmem.cli.errors import hydra_entry, job_errors
 from lessmem.experiment import Interrupted, conf_dir, run, task_of
 
 CONF_DIR = str(conf_dir())
@@ -32,16 +31,12 @@ def resume_command(overrides: list[str], out_dir: str, own_dir: bool) -> str:
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def _train(cfg: DictConfig) -> dict[str, Any]:
-    from hydra.types import RunMode
-
     own_dir = bool(cfg.get("out_dir"))
     if not own_dir:
         OmegaConf.set_struct(cfg, False)
         cfg.out_dir = HydraConfig.get().runtime.output_dir
-    # In a sweep a bad point fails its own job only: Hydra records the error for the sweeper.
-    sweeping = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
-        with contextlib.nullcontext() if sweeping else exit_on_user_error(PROG):
+        with job_errors(PROG):
             m = run(cfg)
     except Interrupted as stop:
         command = resume_command(list(HydraConfig.get().overrides.task), str(stop.out_dir), own_dir)

@@ -23,8 +23,9 @@ from lessmem.core.memory import MemoryReport, measure_memory
 from lessmem.core.ops.dispatch import kept_by_graph
 from lessmem.core.ops.pooling import expand_blocks, expand_tokens, pool_blocks, pool_tokens
 from lessmem.core.ops.registry import pools_tokens
+from lessmem.core.plan import STORAGE_SETTINGS, CompressionPlan, StorageRule
 from lessmem.core.rounding import load_rounding_state, rounding_state, set_rounding_seed
-from lessmem.core.spec import FROM_NORM, CompressionPlan, LayerSpec, parse_spec
+from lessmem.core.spec import FROM_NORM, LayerSpec, parse_spec
 from lessmem.core.step_memory import (
     FIXED_MMAP_ENV,
     StepMemoryReport,
@@ -48,6 +49,8 @@ __all__ = [
     "FROM_NORM",
     "FIXED_MMAP_ENV",
     "STORAGES",
+    "STORAGE_SETTINGS",
+    "StorageRule",
     "UNBIASED_STORAGES",
     "TensorMeta",
     "CompressionPlan",

@@ -23,8 +23,9 @@ from lessmem.core.ops.registry import (
     exact_companion_of,
     stored_activation_of,
 )
+from lessmem.core.plan import CompressionPlan
 from lessmem.core.saved_storage import attach, detach
-from lessmem.core.spec import FROM_NORM, CompressionPlan, LayerSpec
+from lessmem.core.spec import FROM_NORM, LayerSpec
 from lessmem.core.storage import check_storage
 
 
@@ -68,13 +69,20 @@ def compress(
         attention's q, k, v and output, elementwise products (``core.saved_storage``). Nested
         matches: the innermost module's rule wins. Parameters and what lessmem's own layers
         store are left alone. Lossy, opt-in: every gradient upstream becomes approximate.
-    A ``CompressionPlan`` (what ``lessmem.fit`` returns) as ``mapping`` brings its own map, storages
-    and exact companions; the keyword settings then go unused.
+    A ``CompressionPlan`` (what every chooser returns: the menu, ``lessmem.fit``, a run's config) as
+    ``mapping`` brings its own map and every setting; the keyword settings must then stay default.
+    A plan that does not fit the model is a ValueError naming the layer or pattern.
     """
     if isinstance(mapping, CompressionPlan):
-        return compress(model, mapping.map, exact_companions=mapping.exact_companions,
+        given = {"exact_companions": exact_companions, "norm_storage": norm_storage,
+                 "act_storage": act_storage, "saved_storage": saved_storage}
+        ignored = [k for k, v in given.items() if v != (True if k == "exact_companions" else "native")]
+        if ignored:
+            raise ValueError(f"compress(model, plan) takes every setting from the plan; drop {ignored} "
+                             "or pass plan.replace(...)")
+        return compress(model, dict(mapping.map), exact_companions=bool(mapping.exact_companions),
                         norm_storage=mapping.norm_storage, act_storage=mapping.act_storage,
-                        saved_storage=saved_storage)
+                        saved_storage=mapping.saved_storage)
     uncompress(model)
     specs = resolve_mapping(model, mapping)
     for name, spec in specs.items():

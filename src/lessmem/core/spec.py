@@ -1,12 +1,10 @@
-"""What a compressible layer keeps for backward (``LayerSpec``), how a map value reads as one, and
-a complete compression choice as one value (``CompressionPlan``): the map and the settings it runs
-with, so that a chooser (``lessmem.fit``) hands back something ``compress(model, choice)`` applies
-as it is."""
+"""What a compressible layer keeps for backward (``LayerSpec``) and how a map value reads as one
+(``parse_spec``)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from lessmem.core.storage import STORAGES, Storage, check_storage
@@ -97,11 +95,3 @@ def _parse_text(pattern: str, text: str) -> dict[str, Any]:
 def _is_sequence_config(value: Any) -> bool:
     # omegaconf.ListConfig without importing omegaconf: the core stays torch-only.
     return type(value).__name__ == "ListConfig"
-
-
-@dataclass
-class CompressionPlan:
-    map: dict[str, Any] = field(default_factory=dict)  # pattern -> kernel / spec text, as compress reads it
-    norm_storage: str | Mapping[str, str] = "native"
-    act_storage: str | Mapping[str, str] = "native"
-    exact_companions: bool = True

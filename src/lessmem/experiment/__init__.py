@@ -3,7 +3,6 @@
 
 from lessmem.experiment.budget import plan_for_config
 from lessmem.experiment.checkpoint import Interrupted, load_checkpoint
-from lessmem.experiment.compression import build_model_from_cfg
 from lessmem.experiment.data import fixed_batches
 from lessmem.experiment.loggers import coverage_for_config, save_report
 from lessmem.experiment.paths import (
@@ -13,6 +12,8 @@ from lessmem.experiment.paths import (
     register_config_resolvers,
     resolve_path,
 )
+from lessmem.experiment.progress import on_terminal, with_progress
+from lessmem.experiment.spec import model_spec
 from lessmem.experiment.task import task_of
 from lessmem.experiment.train import run
 
@@ -20,16 +21,18 @@ register_config_resolvers()
 
 __all__ = [
     "Interrupted",
-    "build_model_from_cfg",
     "compose_config",
     "conf_dir",
     "coverage_for_config",
     "default_data_root",
     "fixed_batches",
     "load_checkpoint",
+    "model_spec",
+    "on_terminal",
     "plan_for_config",
     "resolve_path",
     "run",
     "save_report",
     "task_of",
+    "with_progress",
 ]

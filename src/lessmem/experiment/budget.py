@@ -12,50 +12,43 @@ from typing import Any
 from omegaconf import DictConfig
 from torch import Tensor, nn
 
-from lessmem.experiment.compression import CompressionChoice, build_model_from_cfg
-from lessmem.experiment.data import build_loaders
-from lessmem.experiment.optim import build_optimizer
 from lessmem.experiment.probes import first_batch
 from lessmem.experiment.runtime import PRECISIONS, seed_everything
 from lessmem.experiment.spec import RunSpec, resolve_run
 from lessmem.sensitivity import (
-    BudgetChoice,
+    BudgetFit,
     PlanRow,
     budget_profile,
     fit,
     format_bytes,
     parse_bytes,
     plan_batches,
-    write_map_yaml,
 )
 
 log = logging.getLogger(__name__)
 
 
-def choose_for_budget(model: nn.Module, batch: tuple[Tensor, Tensor], spec: RunSpec) -> tuple[RunSpec, BudgetChoice]:
-    """(``spec`` with the budget's compression choice, measured at ``batch`` (the run's batch size),
-    the budget choice). Stock fits: stock, said in one line. Nothing fits: ``NoFit`` (a ValueError,
-    one error line)."""
+def choose_for_budget(model: nn.Module, batch: tuple[Tensor, Tensor], spec: RunSpec) -> tuple[RunSpec, BudgetFit]:
+    """(``spec`` with the budget's plan, measured at ``batch`` (the run's batch size), the fit).
+    Stock fits: stock, said in one line. Nothing fits: ``NoFit`` (a ValueError, one error line).
+    The plan's file goes into the run directory."""
     budget = spec.memory_budget
-    if not spec.choice.is_stock:
+    if not spec.plan.is_stock:
         log.warning("lessmem: memory_budget=%s replaces compression %r: the map is the one chosen for the budget",
-                    budget, spec.choice.name)
+                    budget, spec.plan.label)
     net, on_device, settings = _as_measured(model, batch, spec)
-    chosen = fit(net, on_device, budget, **settings)
-    if chosen.stock:
+    fitted = fit(net, on_device, budget, **settings)
+    plan = fitted.plan
+    if fitted.stock:
         log.warning("lessmem: stock already fits memory_budget=%s at batch %d (whole-step peak %s): training stock",
-                    budget, chosen.batch_size, format_bytes(chosen.step_peak_bytes))
-        choice = CompressionChoice(name=chosen.label, map={}, exact_companions=False, norm_storage="native",
-                                   source="memory_budget", given=f"memory_budget={budget}")
+                    budget, fitted.batch_size, format_bytes(fitted.step_peak_bytes))
     else:
-        path = write_map_yaml(chosen.map, spec.out_dir / f"{chosen.label}.yaml", name=chosen.label,
-                              comment=f"lessmem.fit: memory_budget={budget} at batch {chosen.batch_size}, whole-step "
-                                      f"peak {chosen.step_peak_bytes} bytes measured, {chosen.predicted_peak_bytes} predicted",
-                              norm_storage=chosen.norm_storage, act_storage=chosen.act_storage)
-        choice = CompressionChoice(name=chosen.label, map=chosen.map, exact_companions=True,
-                                   norm_storage=chosen.norm_storage, act_storage=chosen.act_storage,
-                                   source=str(path), given=f"memory_budget={budget}")
-    return replace(spec, choice=choice, memory_batch=spec.batch_size), chosen
+        path = plan.write(spec.out_dir / f"{plan.name}.yaml",
+                          comment=f"lessmem.fit: memory_budget={budget} at batch {fitted.batch_size}, whole-step "
+                                  f"peak {fitted.step_peak_bytes} bytes measured, {fitted.predicted_peak_bytes} predicted")
+        plan = plan.replace(source=str(path))
+    data = replace(spec.data, memory_batch=spec.data.batch_size)
+    return replace(spec, plan=plan, plan_given=f"memory_budget={budget}", data=data), fitted
 
 
 def plan_for_config(cfg: DictConfig, factors: tuple[float, ...]) -> tuple[RunSpec, int, list[PlanRow]]:
@@ -68,10 +61,9 @@ def plan_for_config(cfg: DictConfig, factors: tuple[float, ...]) -> tuple[RunSpe
     spec = resolve_run(cfg)
     budget = parse_bytes(spec.memory_budget)
     seed_everything(spec.seed)
-    model = build_model_from_cfg(spec.config)  # before the loaders, as in training: the same initial weights
-    _, val_loader = build_loaders(spec.config["dataset"], spec.batch_size, spec.eval_batch_size, spec.seed,
-                                  spec.max_steps_per_epoch)
-    net, on_device, settings = _as_measured(model, first_batch(val_loader, spec.batch_size), spec)
+    model = spec.model.build()  # before the loaders, as in training: the same initial weights
+    _, val_loader = spec.data.loaders(spec.seed, spec.ddp)
+    net, on_device, settings = _as_measured(model, first_batch(val_loader, spec.data.batch_size), spec)
     return spec, budget, plan_batches(budget_profile(net, on_device, **settings), budget, factors)
 
 
@@ -81,6 +73,6 @@ def _as_measured(model: nn.Module, batch: tuple[Tensor, Tensor],
     (optimizer, loss, autocast dtype) ``fit`` / ``budget_profile`` measure with: one definition,
     so ``lessmem-plan`` and ``lessmem-train memory_budget=`` measure alike and share a cache entry."""
     net = copy.deepcopy(model).to(spec.device, memory_format=spec.memory_format)
-    settings = {"optimizer": lambda params: build_optimizer(spec.config["optimizer"], params),
+    settings = {"optimizer": spec.optim.optimizer_for,
                 "loss_fn": spec.task.criterion, "amp_dtype": PRECISIONS[spec.precision]}
     return net, (batch[0].to(spec.device), batch[1].to(spec.device)), settings

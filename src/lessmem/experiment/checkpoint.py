@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lessmem.experiment.compression import CompressionChoice
+from lessmem.core import CompressionPlan, compress
 from lessmem.experiment.distributed import all_reduce_sum
 from lessmem.experiment.paths import resolve_path
 from lessmem.experiment.runtime import atomic_torch_save, rng_state, set_rng_state
@@ -51,7 +51,7 @@ class Position:
     step: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
     partial: dict[str, Any] = field(default_factory=dict)
-    adaptive_map: dict[str, Any] | None = None
+    adaptive_plan: CompressionPlan | None = None  # the plan an adaptive schedule put in force
 
 
 class Interrupted(BaseException):  # noqa: N818 (not an error: a requested stop, like KeyboardInterrupt)
@@ -162,15 +162,13 @@ class Checkpoints:
             "scheduler": state.scheduler.state_dict(), "scaler": state.scaler.state_dict(),
             "epoch": at.epoch, "step": at.step, "partial": at.partial, "rng": rng_state(),
             "history": at.history, "memory": self.memory, "config": self.config,
-            "adaptive_map": at.adaptive_map,
+            "adaptive_plan": None if at.adaptive_plan is None else at.adaptive_plan.to_dict(),
         }, self.path)
 
 
-def restore_checkpoint(ckpt: dict[str, Any], state: TrainState, config: dict[str, Any],
-                       choice: CompressionChoice) -> Position:
+def restore_checkpoint(ckpt: dict[str, Any], state: TrainState, config: dict[str, Any]) -> Position:
     """Put a run back where ``ckpt`` left it: weights, optimizer, schedule, scaler, RNG (with the
-    rounding noise's counter), data position, and the adaptive choice in force (on ``choice``'s
-    settings)."""
+    rounding noise's counter), data position, and the adaptive plan in force."""
     check_compatible(ckpt.get("config", {}), config)
     state.net.load_state_dict(ckpt["model"])
     state.optimizer.load_state_dict(ckpt["optimizer"])
@@ -182,11 +180,12 @@ def restore_checkpoint(ckpt: dict[str, Any], state: TrainState, config: dict[str
         group["lr"] = base * fn(scheduler.last_epoch)
     state.scaler.load_state_dict(ckpt["scaler"])
     set_rng_state(ckpt["rng"])
-    adaptive_map = ckpt.get("adaptive_map")
-    if adaptive_map is not None:  # the map and storages in force when it was saved
-        choice.adapted(adaptive_map).apply(state.net)
+    adaptive_plan = ckpt.get("adaptive_plan")
+    if adaptive_plan is not None:  # the plan in force when it was saved
+        adaptive_plan = CompressionPlan.from_dict(adaptive_plan)
+        compress(state.net, adaptive_plan)
     return Position(epoch=int(ckpt["epoch"]), step=int(ckpt.get("step", 0)), history=list(ckpt["history"]),
-                    partial=dict(ckpt.get("partial") or {}), adaptive_map=adaptive_map)
+                    partial=dict(ckpt.get("partial") or {}), adaptive_plan=adaptive_plan)
 
 
 def load_checkpoint(model: nn.Module, path: str | Path) -> None:

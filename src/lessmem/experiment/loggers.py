@@ -1,6 +1,6 @@
 """What a run reports while it trains: experiment trackers behind one small interface (W&B
-offline / online, CSV, or nothing), the progress lines (one per epoch; one every N steps where no
-terminal shows the bars), and the coverage files (which saved tensors are compressed and which
+offline / online, CSV, or nothing), the line each epoch ends with (within an epoch:
+``progress``), and the coverage files (which saved tensors are compressed and which
 stay full size: ``coverage.csv``, ``coverage.json`` with rows + totals, ``coverage.png``)."""
 
 from __future__ import annotations
@@ -14,11 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from lessmem.core import CoverageReport, coverage
-from lessmem.experiment.compression import build_model_from_cfg, compress_as_configured
+from lessmem.experiment.compression import (
+    compress_model,
+    compression_given,
+    resolve_compression,
+)
+from lessmem.experiment.spec import LogSpec, model_spec
 from lessmem.experiment.task import task_of
 
 
@@ -130,18 +135,17 @@ class WandbLogger(Logger):
         self.run.finish(exit_code=exit_code)
 
 
-def build_logger(cfg: Mapping[str, Any], out_dir: Path) -> Logger:
-    """``cfg`` is the whole run config (logged as W&B config); the tracker comes from ``cfg.logger``."""
-    if isinstance(cfg, DictConfig):
-        cfg = OmegaConf.to_container(cfg, resolve=True)
-    lcfg = cfg.get("logger") or {}
+def build_logger(log: LogSpec, config: dict[str, Any], out_dir: Path, resume: bool) -> Logger:
+    """The run's tracker (``log.logger``); ``config`` is the whole resolved run config, logged as
+    W&B config. On resume a W&B run continues under its id."""
+    lcfg = log.logger
     name = lcfg.get("name", "disabled")
     if name == "wandb":
         if lcfg.get("mode") == "disabled":
             return Logger()
         id_file = out_dir / "wandb_id.txt"
-        resume_id = id_file.read_text().strip() if cfg.get("resume") and id_file.exists() else None
-        logger = WandbLogger(dict(cfg), lcfg, out_dir, resume_id)
+        resume_id = id_file.read_text().strip() if resume and id_file.exists() else None
+        logger = WandbLogger(config, lcfg, out_dir, resume_id)
         id_file.write_text(logger.id)
         return logger
     if name == "csv":
@@ -156,8 +160,8 @@ def coverage_for_config(cfg: DictConfig, batch: int | None = None) -> CoverageRe
     task's shape (saved bytes depend on shapes only, not on pixel values or token ids)."""
     task = task_of(cfg)
     torch.manual_seed(int(cfg.get("seed", 0)))
-    model = build_model_from_cfg(cfg).train()
-    compress_as_configured(model, cfg)
+    model = model_spec(cfg.model).build().train()
+    compress_model(model, resolve_compression(cfg.compression), compression_given(cfg.compression), str(cfg.model.name))
     return coverage(model, task.random_inputs(cfg.dataset, int(batch or cfg.memory_batch)))
 
 
@@ -218,8 +222,3 @@ def epoch_line(record: dict[str, Any], epochs: int, ratio: float) -> str:
               else f"val_ppl {record['val_ppl']:.3f}")
     return (f"epoch {record['epoch']}/{epochs}: train_loss {record['train_loss']:.4f}, {metric}, "
             f"val_loss {record['val_loss']:.4f}, saved ratio {ratio:.3f}, {record['epoch_time_s']:.1f}s")
-
-
-def step_line(epoch: int, step: int, steps: int, loss: float, lr: float) -> str:
-    """A progress line within an epoch, where no terminal shows the bar."""
-    return f"epoch {epoch + 1} step {step}/{steps}: loss {loss:.4f}, lr {lr:.3g}"

@@ -1,46 +1,43 @@
-"""The ``optimizer`` and ``scheduler`` config groups."""
+"""The ``optimizer`` and ``scheduler`` config groups: each file names its builder (``_target_``)
+and Hydra's ``instantiate`` makes it; an optimizer takes the parameters, a schedule the optimizer,
+the run's epochs and steps per epoch. Schedules are per step: a linear warmup, then the shape.
+The cosine horizon is ``epochs``, so resume with the same ``epochs`` to reproduce an uninterrupted run."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
-
-def build_optimizer(ocfg: Mapping[str, Any], params: Any) -> torch.optim.Optimizer:
-    name = ocfg["name"]
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=ocfg["lr"], momentum=ocfg.get("momentum", 0.0),
-                               weight_decay=ocfg.get("weight_decay", 0.0),
-                               nesterov=bool(ocfg.get("nesterov", False)))
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=ocfg["lr"], betas=tuple(ocfg.get("betas", (0.9, 0.999))),
-                                 weight_decay=ocfg.get("weight_decay", 0.01))
-    raise ValueError(f"unknown optimizer {name!r}; available: sgd, adamw")
+Schedule = torch.optim.lr_scheduler.LambdaLR
 
 
-def build_scheduler(scfg: Mapping[str, Any], optimizer: torch.optim.Optimizer, epochs: int,
-                    steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Per-step schedule: linear warmup, then cosine / step / constant. The cosine horizon is
-    ``epochs``, so resume with the same ``epochs`` to reproduce an uninterrupted run."""
-    total, warmup = epochs * steps_per_epoch, int(scfg.get("warmup_epochs", 0) * steps_per_epoch)
-    name = scfg["name"]
-    if name not in ("cosine", "step", "none"):
-        raise ValueError(f"unknown scheduler {name!r}; available: cosine, step, none")
-    floor = float(scfg.get("min_lr_ratio", 0.0))
-    milestones = [int(m) * steps_per_epoch for m in scfg.get("milestones", [])]
-    gamma = float(scfg.get("gamma", 0.1))
+def cosine_schedule(optimizer: torch.optim.Optimizer, epochs: int, steps_per_epoch: int,
+                    warmup_epochs: float = 0.0, min_lr_ratio: float = 0.0) -> Schedule:
+    """Cosine decay to ``min_lr_ratio`` x lr over the run."""
+    total, warmup = epochs * steps_per_epoch, int(warmup_epochs * steps_per_epoch)
 
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if name == "cosine":
-            t = (step - warmup) / max(1, total - warmup)
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
-        if name == "step":
-            return gamma ** sum(step >= m for m in milestones)
-        return 1.0
+    def shape(step: int) -> float:
+        t = (step - warmup) / max(1, total - warmup)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return _with_warmup(optimizer, warmup, shape)
+
+
+def step_schedule(optimizer: torch.optim.Optimizer, epochs: int, steps_per_epoch: int, warmup_epochs: float = 0.0,
+                  milestones: Sequence[int] = (), gamma: float = 0.1) -> Schedule:
+    """The lr times ``gamma`` at each milestone epoch."""
+    steps = [int(m) * steps_per_epoch for m in milestones]
+    return _with_warmup(optimizer, int(warmup_epochs * steps_per_epoch),
+                        lambda step: gamma ** sum(step >= m for m in steps))
+
+
+def constant_schedule(optimizer: torch.optim.Optimizer, epochs: int, steps_per_epoch: int,
+                      warmup_epochs: float = 0.0) -> Schedule:
+    """A constant lr (after the warmup)."""
+    return _with_warmup(optimizer, int(warmup_epochs * steps_per_epoch), lambda step: 1.0)
+
+
+def _with_warmup(optimizer: torch.optim.Optimizer, warmup: int, shape: Callable[[int], float]) -> Schedule:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (step + 1) / warmup if step < warmup else shape(step))

@@ -1,5 +1,6 @@
-"""Where the Hydra configs, data and caches live, and composing the configs outside
-``@hydra.main`` (sensitivity, coverage, search). No heavy imports: Hydra loads on first compose.
+"""Where the Hydra configs, data and caches live, and composing the configs outside the
+commands' ``@hydra.main`` (from Python, and a search's training runs). No heavy imports: Hydra
+loads on first compose.
 
 The configs ship inside the package (``lessmem/conf``, package data), so a plain
 ``pip install .`` or a wheel finds them; in a checkout ``<repo>/conf`` is a symlink to them.

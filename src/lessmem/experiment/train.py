@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from tqdm.auto import tqdm
 
 from lessmem.experiment.adaptive import adapt_compression
 from lessmem.experiment.budget import choose_for_budget
@@ -35,13 +34,12 @@ from lessmem.experiment.checkpoint import (
     checkpoint_to_resume,
     restore_checkpoint,
 )
-from lessmem.experiment.compression import build_model_from_cfg, compress_model, wrap_for_training
-from lessmem.experiment.data import build_loaders
+from lessmem.experiment.compression import compress_model, wrap_for_training
 from lessmem.experiment.distributed import all_reduce_sum, teardown, unwrap
 from lessmem.experiment.divergence import divergence_message, divergence_record, nonfinite_part
-from lessmem.experiment.loggers import Logger, build_logger, epoch_line, step_line, write_coverage
-from lessmem.experiment.optim import build_optimizer, build_scheduler
+from lessmem.experiment.loggers import Logger, build_logger, epoch_line, write_coverage
 from lessmem.experiment.probes import evaluate, first_batch, grad_cosine, measure
+from lessmem.experiment.progress import with_progress
 from lessmem.experiment.runtime import (
     atomic_write_text,
     autocast,
@@ -70,19 +68,16 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
     ckpt = checkpoint_to_resume(spec.checkpoint_path, spec.device) if spec.resume else None
     seed_everything(spec.seed)
 
-    model = build_model_from_cfg(spec.config)
-    train_loader, val_loader = build_loaders(
-        spec.config["dataset"], spec.batch_size, spec.eval_batch_size, spec.seed, spec.max_steps_per_epoch,
-        rank=spec.ddp.rank, world_size=spec.ddp.world_size,
-    )
+    model = spec.model.build()
+    train_loader, val_loader = spec.data.loaders(spec.seed, spec.ddp)
     stock = copy.deepcopy(model)
     budget = None
     if spec.memory_budget:  # the map comes from the budget, measured at the run's batch
-        spec, budget = choose_for_budget(model, first_batch(val_loader, spec.batch_size), spec)
-    compress_model(model, spec.choice, spec.config["model"]["name"])
+        spec, budget = choose_for_budget(model, first_batch(val_loader, spec.data.batch_size), spec)
+    compress_model(model, spec.plan, spec.plan_given, spec.model.name)
     model.to(spec.device)
     model.to(memory_format=spec.memory_format)
-    memory_batch = first_batch(val_loader, spec.memory_batch)
+    memory_batch = first_batch(val_loader, spec.data.memory_batch)
     memory = memory_record(stock, model, memory_batch, spec)
     if budget is not None:
         memory.update(budget.record())
@@ -93,18 +88,18 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
     if spec.coverage and main:
         coverage = write_coverage(model, memory_batch[0].to(spec.device), spec.out_dir, spec.label)
     state = training_state(model, spec, steps_per_epoch=len(train_loader))
-    probe = first_batch(val_loader, int(spec.adaptive.get("probe_batch", 32))) if spec.adapt_every else None
+    probe = first_batch(val_loader, spec.adaptive.probe_batch) if spec.adaptive.every else None
 
     at = Position()
     if ckpt is not None:
-        at = restore_checkpoint(ckpt, state, spec.config, spec.choice)
+        at = restore_checkpoint(ckpt, state, spec.config)
         ckpt = None  # its tensors are copies on the device: free them
     if main:
         # Rewrite from the checkpoint: drops lines of epochs that finished after the last checkpoint.
         atomic_write_text("".join(json.dumps(h) + "\n" for h in at.history), spec.out_dir / "metrics.jsonl")
         OmegaConf.save(OmegaConf.create(spec.config), spec.out_dir / "config.yaml")
 
-    logger = build_logger(spec.config, spec.out_dir) if main else Logger()
+    logger = build_logger(spec.log, spec.config, spec.out_dir, spec.resume) if main else Logger()
     checkpoints = Checkpoints(spec.checkpoint_path, memory, spec.config)
     try:
         logger.summary({k: v for k, v in memory.items() if k != "saved_bytes_per_layer"})
@@ -112,10 +107,10 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
             logger.table("coverage", coverage.as_records())
         with StopSignals() as stop:
             while at.epoch < spec.epochs:
-                if at.step == 0:  # a resumed epoch keeps the RNG state and the choice it was saved with
+                if at.step == 0:  # a resumed epoch keeps the RNG state and the plan it was saved with
                     torch.manual_seed(epoch_seed(spec.seed, at.epoch))
-                    if spec.adapt_every and at.epoch % spec.adapt_every == 0:
-                        at.adaptive_map = adapt_compression(
+                    if spec.adaptive.every and at.epoch % spec.adaptive.every == 0:
+                        at.adaptive_plan = adapt_compression(
                             state.net, probe, spec, at.epoch, memory_batch[0], logger)
                 train_loader.set_epoch(at.epoch, start=at.step)
                 record = train_epoch(state, spec, train_loader, at, stop, logger, checkpoints)
@@ -148,16 +143,16 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
 def memory_record(stock: nn.Module, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
                   spec: RunSpec) -> dict[str, Any]:
     """Saved bytes and whole-step peak (with the task's loss) of stock and compressed on one batch,
-    labelled with the compression choice; a choice that keeps more than stock says so."""
-    choice = spec.choice
-    memory = measure(stock, None if choice.is_stock else model, batch, spec.device, spec.precision,
-                     lambda net: build_optimizer(spec.config["optimizer"], net.parameters()), spec.task.criterion)
-    memory.update(choice.record())
+    labelled with the compression plan; a plan that keeps more than stock says so."""
+    plan = spec.plan
+    memory = measure(stock, None if plan.is_stock else model, batch, spec.device, spec.precision,
+                     lambda net: spec.optim.optimizer_for(net.parameters()), spec.task.criterion)
+    memory.update(plan.record())
     if spec.ddp.is_main and memory["ratio"] > 1:
         log.warning("lessmem: compression %r (%s) keeps %.3fx the stock bytes (%.2f vs %.2f MiB): it "
-                    "costs memory instead of saving it%s", choice.name, choice.digest, memory["ratio"],
+                    "costs memory instead of saving it%s", plan.label, plan.digest, memory["ratio"],
                     memory["saved_bytes"] / 2**20, memory["stock_saved_bytes"] / 2**20,
-                    "" if choice.exact_companions else "; exact_companions is off, so ReLU and "
+                    "" if plan.exact_companions else "; exact_companions is off, so ReLU and "
                     "max-pool keep full tensors beside the pooled copies")
     return memory
 
@@ -166,8 +161,8 @@ def training_state(model: nn.Module, spec: RunSpec, steps_per_epoch: int) -> Tra
     """The wrapped model, its optimizer, per-step schedule and loss scaler."""
     net, wrapped = wrap_for_training(model, spec.ddp, spec.device, sync_bn=spec.sync_bn,
                                      compile_mode=spec.compile_mode)
-    optimizer = build_optimizer(spec.config["optimizer"], net.parameters())
-    scheduler = build_scheduler(spec.config["scheduler"], optimizer, spec.epochs, steps_per_epoch)
+    optimizer = spec.optim.optimizer_for(net.parameters())
+    scheduler = spec.optim.schedule(optimizer, spec.epochs, steps_per_epoch)
     scaler = torch.amp.GradScaler(spec.device.type, enabled=spec.precision == "fp16")
     return TrainState(net, wrapped, optimizer, scheduler, scaler)
 
@@ -183,8 +178,8 @@ def train_epoch(state: TrainState, spec: RunSpec, loader: Any, at: Position, sto
                       "cosine": {}, "seconds": 0.0}
     sums = at.partial["sums"]
     start = time.perf_counter() - at.partial["seconds"]
-    bar = tqdm(loader, total=steps, initial=at.step, desc=f"epoch {at.epoch + 1}/{spec.epochs}", unit="step",
-               dynamic_ncols=True, disable=not spec.bars, leave=True)
+    bar = with_progress(loader, f"epoch {at.epoch + 1}/{spec.epochs}", "step", total=steps, initial=at.step,
+                        every=spec.log.every_steps, show=main)
     for x, y in bar:
         global_step = at.epoch * steps + at.step
         loss, logits, x, y = train_step(state, spec, x, y)
@@ -205,9 +200,7 @@ def train_epoch(state: TrainState, spec: RunSpec, loader: Any, at: Position, sto
         at.step += 1
         at.partial["seconds"] = time.perf_counter() - start
         lr = state.optimizer.param_groups[0]["lr"]
-        bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.3g}")
-        if main and not spec.bars and spec.log_every_steps and at.step % spec.log_every_steps == 0:
-            log.info(step_line(at.epoch, at.step, steps, loss.item(), lr))
+        bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{lr:.3g}")
         signum = stop.requested(spec.device)
         every = spec.checkpoint_every_steps
         if main and (signum or (every and at.step % every == 0 and at.step < steps)):
@@ -270,7 +263,7 @@ def end_epoch(record: dict[str, Any], at: Position, spec: RunSpec, logger: Logge
 
 def summarize(spec: RunSpec, history: list[dict[str, Any]], memory: dict[str, Any]) -> dict[str, Any]:
     return {
-        "model": spec.config["model"]["name"], "dataset": spec.config["dataset"]["name"], "task": spec.task.name,
+        "model": spec.model.name, "dataset": spec.data.name, "task": spec.task.name,
         "seed": spec.seed,
         "epochs": len(history),
         **spec.task.summary(history),

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
+from lessmem.core import CompressionPlan
 
 # saved_bytes: saved-for-backward bytes of the compressed model on the memory batch; peak_bytes:
 # whole-step peak of one train step on that batch (the CPU allocator's tensor bytes, or CUDA's
@@ -44,8 +44,7 @@ def _load_map(cfg: Mapping[str, Any], base: Path) -> dict[str, Any]:
         p = Path(path)
         for cand in (p, base / p, base / p.name):
             if cand.is_file():
-                data = yaml.safe_load(cand.read_text()) or {}
-                return dict(data.get("map", data)) if isinstance(data, dict) else {}
+                return dict(CompressionPlan.read(cand).map)
     return dict(ccfg.get("map") or {})
 
 

@@ -7,8 +7,7 @@ import csv
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from lessmem.core import CompressionPlan
 from lessmem.reporting.rows import kernel_summary
 from lessmem.reporting.runs import run_row
 
@@ -55,7 +54,7 @@ def _map_of(map_file: str) -> dict[str, Any]:
     path = Path(map_file) if map_file else None
     if path is None or not path.is_file():
         return {}
-    return dict((yaml.safe_load(path.read_text()) or {}).get("map") or {})
+    return dict(CompressionPlan.read(path).map)
 
 
 def _journal_trials(root: Path) -> list[dict[str, Any]] | None:

@@ -12,16 +12,21 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, open_dict
-from tqdm.auto import tqdm
 
-from lessmem.experiment import build_model_from_cfg, fixed_batches, load_checkpoint, run, task_of
+from lessmem.experiment import (
+    fixed_batches,
+    load_checkpoint,
+    model_spec,
+    run,
+    task_of,
+    with_progress,
+)
 from lessmem.sensitivity import (
     CRITERIA,
-    MapChoice,
     MenuOptions,
     MenuResult,
+    ScoredPlan,
     measure_menu,
-    write_map_yaml,
 )
 
 
@@ -33,7 +38,7 @@ def measure_config_menu(cfg: DictConfig, menu: DictConfig, sampling: DictConfig)
     (0: the seeded random init)."""
     options = MenuOptions.from_config(menu)  # a bad storage or kernel fails before any warm-up
     torch.manual_seed(int(cfg.get("seed", 0)))
-    model = build_model_from_cfg(cfg)
+    model = model_spec(cfg.model).build()
     weights = "random init"
     with tempfile.TemporaryDirectory(prefix="lessmem-warmup-") as tmp:
         checkpoint = sampling.get("checkpoint") or warm_up(cfg, int(sampling.get("warmup_steps") or 0), Path(tmp))
@@ -45,7 +50,7 @@ def measure_config_menu(cfg: DictConfig, menu: DictConfig, sampling: DictConfig)
     model.to(device).train()
     batches = fixed_batches(cfg, int(sampling.batches), int(sampling.batch_size), str(sampling.split),
                             int(cfg.get("seed", 0)))
-    result = measure_menu(model, tqdm(batches, desc="menu", unit="batch"), options, task_of(cfg).criterion)
+    result = measure_menu(model, with_progress(batches, "menu", "batch"), options, task_of(cfg).criterion)
     result.meta.update({"model": str(cfg.model.name), "dataset": str(cfg.dataset.name),
                         "split": str(sampling.split), "weights": weights})
     return result
@@ -91,7 +96,7 @@ def check_criterion(criterion: str) -> None:
 
 
 def write_menu_files(result: MenuResult, budget: float, criterion: str, out: Path,
-                     map_out: Path | None = None) -> tuple[MapChoice, dict[str, Path]]:
+                     map_out: Path | None = None) -> tuple[ScoredPlan, dict[str, Path]]:
     """menu.json / menu.csv / menu.png in ``out`` and the knapsack's map of least ``criterion``
     within ``budget`` (fraction of stock's saved bytes) as a compression config file."""
     choice = result.make_map(budget, criterion)
@@ -102,7 +107,5 @@ def write_menu_files(result: MenuResult, budget: float, criterion: str, out: Pat
                f"within {budget} x stock saved bytes.\npredicted ratio {choice.score['ratio']:.3f}, grad_error "
                f"{choice.score['grad_error']:.4g}, mean cosine {choice.score['cosine']:.4f} "
                f"(batch {result.meta['batch_size']})")
-    paths["map"] = write_map_yaml(choice.map, map_out or out / f"menu_{model}.yaml", comment=comment,
-                                  norm_storage=choice.norm_storage, act_storage=choice.act_storage,
-                                  saved_storage=choice.saved_storage)
+    paths["map"] = choice.plan.write(map_out or out / f"menu_{model}.yaml", comment=comment)
     return choice, paths

@@ -13,8 +13,6 @@ trained is not trained again: the trial takes that score (``same_as``).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ import optuna
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lessmem.experiment import run
-from lessmem.sensitivity import MapChoice, MenuResult, write_map_yaml
+from lessmem.sensitivity import MenuResult, ScoredPlan
 
 WEIGHT_RANGE = (-2.0, 2.0)  # a unit's criterion scaled by 0.14x .. 7.4x
 
@@ -31,15 +29,6 @@ WEIGHT_RANGE = (-2.0, 2.0)  # a unit's criterion scaled by 0.14x .. 7.4x
 def weight_param(unit: str) -> str:
     """The Optuna parameter of a unit's log-weight."""
     return f"w:{unit}"
-
-
-def map_key(choice: MapChoice) -> str:
-    """Equal maps, equal keys (the trial-reuse check)."""
-    parts = [choice.map, choice.norm_storage, choice.act_storage]
-    if choice.saved_storage != "native":  # maps without saved-tensor regions keep their keys
-        parts.append(choice.saved_storage)
-    text = json.dumps(parts, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 class Objective:
@@ -55,21 +44,20 @@ class Objective:
         """The criterion's own map (every weight 0), as Optuna params."""
         return {"knapsack": {weight_param(u): 0.0 for u in self.units}}
 
-    def choice(self, weights: dict[str, float]) -> MapChoice:
+    def choice(self, weights: dict[str, float]) -> ScoredPlan:
         per_item = {name: math.exp(weights[u]) for u, names in self.units.items() for name in names}
         return self.menu.make_map(self.budget, self.criterion, weights=per_item)
 
     def __call__(self, trial: optuna.Trial) -> float:
         weights = {u: trial.suggest_float(weight_param(u), *WEIGHT_RANGE) for u in self.units}
         choice = self.choice(weights)
-        key = map_key(choice)
+        key = choice.plan.digest  # equal plans, equal keys: the trial-reuse check
         name = f"{self.search.study_name}_t{trial.number}"
         trial_dir = self.out_dir / "trials" / f"{trial.number:04d}"
-        map_path = write_map_yaml(choice.map, trial_dir / "compression.yaml", name=name,
-                                  norm_storage=choice.norm_storage, act_storage=choice.act_storage,
-                                  saved_storage=choice.saved_storage, comment=f"{self.search.study_name} trial {trial.number}: predicted saved bytes "
-                                          f"{choice.score['ratio']:.3f}x stock, {self.criterion} "
-                                          f"{choice.score[self.criterion]:.4g}")
+        map_path = choice.plan.replace(name=name).write(
+            trial_dir / "compression.yaml", comment=f"{self.search.study_name} trial {trial.number}: predicted saved bytes "
+                                                    f"{choice.score['ratio']:.3f}x stock, {self.criterion} "
+                                                    f"{choice.score[self.criterion]:.4g}")
         cfg = self.base.copy()
         with open_dict(cfg):
             cfg.compression.map_file = str(map_path)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 from pathlib import Path
 from typing import Any
 
 import optuna
 from omegaconf import DictConfig, OmegaConf
 
-from lessmem.experiment import compose_config
+from lessmem.experiment import compose_config, on_terminal
 from lessmem.search.menu_file import cached_menu, check_criterion
 from lessmem.search.objective import Objective
 from lessmem.search.report import write_report
@@ -81,5 +80,5 @@ def run_search(search: DictConfig) -> dict[str, Any]:
             return write_report(study, search)
     if remaining > 0:
         study.optimize(objective, n_trials=remaining, catch=(RuntimeError, ValueError),
-                       show_progress_bar=sys.stderr.isatty())
+                       show_progress_bar=on_terminal())
     return write_report(study, search)

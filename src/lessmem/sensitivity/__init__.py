@@ -6,15 +6,14 @@ whole training step fits a memory budget in bytes. Torch only."""
 
 from lessmem.sensitivity.budget_plan import PlanRow, plan_batches
 from lessmem.sensitivity.byte_sizes import format_bytes, parse_bytes
-from lessmem.sensitivity.fit import BudgetChoice, NoFit, budget_profile, fit
-from lessmem.sensitivity.io import read_map_yaml, write_map_yaml
+from lessmem.sensitivity.fit import BudgetFit, NoFit, budget_profile, fit
 from lessmem.sensitivity.items import JOINT_KIND, MAP_KINDS, MenuItem, joint_option, option_name
-from lessmem.sensitivity.menu import CRITERIA, DEFAULT_CRITERION, MapChoice, MenuResult
+from lessmem.sensitivity.menu import CRITERIA, DEFAULT_CRITERION, MenuResult, ScoredPlan
 from lessmem.sensitivity.menu_measure import measure_menu
 from lessmem.sensitivity.menu_options import DEFAULT_KERNELS, LOSSY_STORAGES, MenuOptions
 
 __all__ = [
-    "BudgetChoice",
+    "BudgetFit",
     "NoFit",
     "PlanRow",
     "budget_profile",
@@ -28,13 +27,11 @@ __all__ = [
     "JOINT_KIND",
     "LOSSY_STORAGES",
     "MAP_KINDS",
-    "MapChoice",
     "MenuItem",
     "MenuOptions",
     "MenuResult",
     "joint_option",
     "measure_menu",
     "option_name",
-    "read_map_yaml",
-    "write_map_yaml",
+    "ScoredPlan",
 ]

@@ -1,7 +1,7 @@
 """A map for a memory budget in bytes of the whole training step (``lessmem.fit``).
 
-    choice = lessmem.fit(model, (images, labels), budget="6GiB", optimizer=make_sgd)
-    lessmem.compress(model, choice)
+    fitted = lessmem.fit(model, (images, labels), budget="6GiB", optimizer=make_sgd)
+    lessmem.compress(model, fitted.plan)
 
 Steps: measure stock's whole-step peak (it fits: nothing to compress); measure the menu on a
 sub-batch of the batch (bytes scaled to the whole batch), the whole-step peak of the menu's
@@ -39,7 +39,7 @@ from lessmem.core import (
     uncompress,
 )
 from lessmem.sensitivity.byte_sizes import format_bytes, parse_bytes
-from lessmem.sensitivity.menu import CRITERIA, DEFAULT_CRITERION, MapChoice, MenuResult
+from lessmem.sensitivity.menu import CRITERIA, DEFAULT_CRITERION, MenuResult, ScoredPlan
 from lessmem.sensitivity.menu_measure import measure_menu
 from lessmem.sensitivity.menu_options import MenuOptions
 from lessmem.sensitivity.peak_model import PeakModel
@@ -74,10 +74,11 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("LESSMEM_CACHE") or Path.home() / ".cache" / "lessmem") / "budget"
 
 
-@dataclass
-class BudgetChoice(CompressionPlan):
-    """The map for a budget, what ``lessmem.compress(model, choice)`` applies, and its peaks."""
+@dataclass(frozen=True)
+class BudgetFit:
+    """The plan for a budget (``lessmem.compress(model, fitted.plan)``) and its measured peaks."""
 
+    plan: CompressionPlan
     budget_bytes: int = 0
     batch_size: int = 0
     stock: bool = False  # stock already fits: nothing compressed
@@ -90,10 +91,6 @@ class BudgetChoice(CompressionPlan):
     criterion: str = DEFAULT_CRITERION
     verified: int = 0  # maps measured by a real step in this search
     known: bool = False  # the chosen map's peak was measured before this search: its prediction is that measurement
-
-    @property
-    def label(self) -> str:
-        return f"budget_{format_bytes(self.budget_bytes)}"
 
     def record(self) -> dict[str, Any]:
         """The figures a run records (memory.json, metrics.json)."""
@@ -110,7 +107,7 @@ class BudgetProfile:
     batch_size: int
     stock_peak: int
     menu: MenuResult | None = None
-    floor_map: MapChoice | None = None
+    floor_map: ScoredPlan | None = None
     floor_peak: int | None = None
     peaks: PeakModel = field(default_factory=PeakModel)
 
@@ -121,21 +118,23 @@ class NoFit(ValueError):
 
 def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | float, *,
         optimizer: OptimizerFactory | None = None, loss_fn: LossFn = F.cross_entropy,
-        amp_dtype: torch.dtype | None = None, criterion: str = DEFAULT_CRITERION) -> BudgetChoice:
+        amp_dtype: torch.dtype | None = None, criterion: str = DEFAULT_CRITERION) -> BudgetFit:
     """The map of least ``criterion`` whose whole training step (forward, backward,
     ``optimizer(params).step()``) on ``batch`` peaks within ``budget`` (bytes, or ``"6GiB"``,
-    ``"750MiB"``). Stock fits: a choice with ``stock=True`` and an empty map. Nothing fits:
+    ``"750MiB"``), its plan named ``budget_<budget>``. Stock fits: ``stock=True`` and a plan that
+    compresses nothing. Nothing fits:
     ``NoFit`` (a ValueError) naming the smallest peak the menu reaches and the largest batch
     that fits. ``model`` is not changed (measured on copies); measurements are cached in
     ``~/.cache/lessmem/budget`` (``$LESSMEM_CACHE/budget``)."""
     budget_bytes = parse_bytes(budget)
+    name = f"budget_{format_bytes(budget_bytes)}"
     step, cache_file, profile = _profile(model, batch, optimizer, loss_fn, amp_dtype)
     base = {"budget_bytes": budget_bytes, "batch_size": profile.batch_size, "criterion": criterion,
             "stock_step_peak_bytes": profile.stock_peak}
     if profile.stock_peak <= budget_bytes:
         _save(cache_file, profile)
-        return BudgetChoice(exact_companions=False, stock=True, predicted_peak_bytes=profile.stock_peak,
-                            step_peak_bytes=profile.stock_peak, **base)
+        return BudgetFit(CompressionPlan(exact_companions=False, name=name, source="memory_budget"), stock=True,
+                         predicted_peak_bytes=profile.stock_peak, step_peak_bytes=profile.stock_peak, **base)
     if profile.menu is None:
         _measure_floor(profile, step, batch, loss_fn, criterion)
         _save(cache_file, profile)
@@ -147,7 +146,7 @@ def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | floa
                     f"(stock {format_bytes(profile.stock_peak)}); the largest batch that fits is about "
                     f"{largest_batch(profile.peaks, profile.floor_map.score['bytes'], profile.batch_size, budget_bytes)}")
     least = profile.floor_map.score["bytes"]
-    best: tuple[MapChoice, int, int, bool] | None = None  # (map, predicted, measured, known) that fits
+    best: tuple[ScoredPlan, int, int, bool] | None = None  # (map, predicted, measured, known) that fits
     tried: set[float] = set()
     verified = 0
     aim = AIM * budget_bytes
@@ -162,7 +161,7 @@ def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | floa
         measured = dict(profile.peaks.points).get(saved)  # a map already measured needs no step
         known = measured is not None
         if measured is None:
-            measured = step.peak(_plan(choice)).peak_bytes
+            measured = step.peak(choice.plan).peak_bytes
             verified += 1
             profile.peaks.add(saved, measured)
             _save(cache_file, profile)
@@ -181,9 +180,9 @@ def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | floa
     if best is None:  # the floor was measured and fits
         best = (profile.floor_map, profile.floor_peak, profile.floor_peak, True)
     chosen, predicted, measured, known = best
-    return BudgetChoice(map=chosen.map, norm_storage=chosen.norm_storage, act_storage=chosen.act_storage,
-                        exact_companions=True, predicted_peak_bytes=predicted, step_peak_bytes=measured,
-                        saved_bytes=int(chosen.score["bytes"]), score=chosen.score, verified=verified, known=known, **base)
+    return BudgetFit(chosen.plan.replace(name=name, source="memory_budget"), predicted_peak_bytes=predicted,
+                     step_peak_bytes=measured, saved_bytes=int(chosen.score["bytes"]), score=chosen.score,
+                     verified=verified, known=known, **base)
 
 
 def budget_profile(model: nn.Module, batch: tuple[Tensor, Tensor], *, optimizer: OptimizerFactory | None = None,
@@ -213,10 +212,6 @@ def largest_batch(peaks: PeakModel, saved: float, batch_size: int, budget_bytes:
     return max(0, math.floor((budget_bytes - peaks.static_bytes) / per_batch * batch_size))
 
 
-def _plan(choice: MapChoice) -> CompressionPlan:
-    return CompressionPlan(choice.map, choice.norm_storage, choice.act_storage, True)
-
-
 def _measure_floor(profile: BudgetProfile, step: _Stepper, batch: tuple[Tensor, Tensor], loss_fn: LossFn,
                    criterion: str) -> None:
     """The menu (on a sub-batch, bytes scaled up), stock's, the smallest map's and a map's near the bend."""
@@ -229,7 +224,7 @@ def _measure_floor(profile: BudgetProfile, step: _Stepper, batch: tuple[Tensor, 
     profile.peaks.add(profile.menu.stock_bytes, profile.stock_peak)
     profile.floor_map = smallest_map(profile.menu, criterion)
     least = profile.floor_map.score["bytes"]
-    report = step.peak(_plan(profile.floor_map))
+    report = step.peak(profile.floor_map.plan)
     profile.floor_peak = report.peak_bytes
     profile.peaks.add(least, report.peak_bytes)
     profile.peaks.static_bytes = float(sum(report.by_category.get(c, 0) for c in STATIC_CATEGORIES))
@@ -238,7 +233,7 @@ def _measure_floor(profile: BudgetProfile, step: _Stepper, batch: tuple[Tensor, 
     span = profile.menu.stock_bytes - least
     bend = min(max(profile.peaks.bend(), least + span / 8), profile.menu.stock_bytes - span / 8)
     mid = profile.menu.make_map(bend, criterion)
-    profile.peaks.add(mid.score["bytes"], step.peak(_plan(mid)).peak_bytes)
+    profile.peaks.add(mid.score["bytes"], step.peak(mid.plan).peak_bytes)
     log.info("lessmem.fit: floor (the menu's smallest map) step peak %s; profile cached",
              format_bytes(profile.floor_peak))
 
@@ -259,7 +254,7 @@ def scaled_menu(menu: MenuResult, factor: float) -> MenuResult:
     return MenuResult.from_dict(d)
 
 
-def smallest_map(menu: MenuResult, criterion: str = DEFAULT_CRITERION) -> MapChoice:
+def smallest_map(menu: MenuResult, criterion: str = DEFAULT_CRITERION) -> ScoredPlan:
     """The map of least saved bytes (least ``criterion`` among maps within 1% of it: the
     knapsack's rounding needs that room)."""
     items = {i.name: i for i in menu.items}
@@ -323,7 +318,7 @@ def _save(path: Path, profile: BudgetProfile) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"batch_size": profile.batch_size, "stock_peak": profile.stock_peak,
             "menu": profile.menu.to_dict() if profile.menu else None,
-            "floor_map": vars(profile.floor_map) if profile.floor_map else None, "floor_peak": profile.floor_peak,
+            "floor_map": profile.floor_map.to_dict() if profile.floor_map else None, "floor_peak": profile.floor_peak,
             "points": profile.peaks.points, "static_bytes": profile.peaks.static_bytes}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
@@ -340,7 +335,7 @@ def _load(path: Path) -> BudgetProfile | None:
             return None  # measured before a criterion existed
         return BudgetProfile(
             int(d["batch_size"]), int(d["stock_peak"]),
-            menu, MapChoice(**d["floor_map"]) if d["floor_map"] else None, d["floor_peak"],
+            menu, ScoredPlan.from_dict(d["floor_map"]) if d["floor_map"] else None, d["floor_peak"],
             PeakModel([tuple(p) for p in d["points"]], float(d["static_bytes"])))
     except (ValueError, KeyError, TypeError):  # a torn or older file: measure again
         return None

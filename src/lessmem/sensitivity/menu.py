@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lessmem.core import first_match, parse_spec
+from lessmem.core import CompressionPlan, StorageRule, first_match, parse_spec
 from lessmem.sensitivity.items import (
     JOINT_KIND,
     MAP_KINDS,
@@ -57,19 +57,22 @@ CRITERIA = ("grad_error", "loss_change", "cosine", "tensor_error")
 # criterion ranks accuracy alike (Spearman 0.83-0.86, within noise); at 0.08x on resnet20 the mean
 # cosine's map (1-bit BatchNorm inputs) lost 6-7 top-1 points to this one's (docs/proofs.md).
 DEFAULT_CRITERION = "tensor_error"
-StorageRule = str | Mapping[str, str]
 
 
-@dataclass
-class MapChoice:
-    """A map read from a menu: conv map, BatchNorm, activation and saved-region storages (the
-    ``compress`` options of those names), and its score."""
+@dataclass(frozen=True)
+class ScoredPlan:
+    """A plan read from a menu and the menu's score of it: every criterion, the predicted saved
+    ``bytes`` and their ``ratio`` to stock."""
 
-    map: dict[str, str]
-    norm_storage: dict[str, str] | str
-    act_storage: dict[str, str] | str
+    plan: CompressionPlan
     score: dict[str, float]
-    saved_storage: dict[str, str] | str = "native"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"plan": self.plan.to_dict(), "score": self.score}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ScoredPlan:
+        return cls(CompressionPlan.from_dict(data["plan"]), dict(data["score"]))
 
 
 @dataclass
@@ -87,14 +90,13 @@ class MenuResult:
         existed lacks it)."""
         return tuple(c for c in CRITERIA if all(c in i.criteria for i in self.items))
 
-    def options_of(self, mapping: Mapping[str, Any] | None, norm_storage: StorageRule = "native",
-                   act_storage: StorageRule = "native", saved_storage: StorageRule = "native") -> dict[str, str]:
-        """Item name -> the option a map (as ``lessmem.compress`` reads it) gives it. A saved-region
-        item takes the rule's first match on its own name (its bytes are exact for rules of
-        ``region_rule``'s form, which ``make_map`` and ``uniform_choice`` write)."""
-        conv_rule = _conv_rule(mapping or {})
-        rules = {"conv": conv_rule, "linear": conv_rule, "norm": _storage_rule(norm_storage),
-                 "act": _storage_rule(act_storage), "saved": _storage_rule(saved_storage)}
+    def options_of(self, plan: CompressionPlan) -> dict[str, str]:
+        """Item name -> the option ``plan`` gives it. A saved-region item takes the rule's first
+        match on its own name (its bytes are exact for rules of ``region_rule``'s form, which
+        ``make_map`` and ``uniform_choice`` write)."""
+        conv_rule = _conv_rule(plan.map)
+        rules = {"conv": conv_rule, "linear": conv_rule, "norm": _storage_rule(plan.norm_storage),
+                 "act": _storage_rule(plan.act_storage), "saved": _storage_rule(plan.saved_storage)}
 
         def option(name: str, kind: str, exact: str) -> str:
             pattern = first_match(name, rules[kind])
@@ -109,10 +111,9 @@ class MenuResult:
             item.index(chosen[item.name])
         return chosen
 
-    def score(self, mapping: Mapping[str, Any] | None, norm_storage: StorageRule = "native",
-              act_storage: StorageRule = "native", saved_storage: StorageRule = "native") -> dict[str, float]:
-        """Every criterion and the predicted saved bytes (and ratio to stock) of a map."""
-        return self._score(self.options_of(mapping, norm_storage, act_storage, saved_storage))
+    def score(self, plan: CompressionPlan) -> dict[str, float]:
+        """Every criterion and the predicted saved bytes (and ratio to stock) of a plan."""
+        return self._score(self.options_of(plan))
 
     def _score(self, chosen: Mapping[str, str]) -> dict[str, float]:
         criteria = self.criteria
@@ -135,7 +136,7 @@ class MenuResult:
     # ---- choosing -------------------------------------------------------------------------------
 
     def make_map(self, budget: float, criterion: str = DEFAULT_CRITERION,
-                 weights: Mapping[str, float] | None = None) -> MapChoice:
+                 weights: Mapping[str, float] | None = None) -> ScoredPlan:
         """The map of least summed ``criterion`` whose total saved bytes fit ``budget`` (a fraction
         of stock's saved bytes when <= 1, else bytes): a multiple-choice knapsack over the whole
         menu, the layers reading one tensor choosing together. ``weights``: item name -> factor on
@@ -169,9 +170,9 @@ class MenuResult:
                 chosen[m.name] = options[j]
         return self.choice_of(chosen)
 
-    def choice_of(self, chosen: Mapping[str, str]) -> MapChoice:
-        """The map (compress options) giving each item its option in ``chosen`` (item name ->
-        option; items reading one tensor must agree), and its score."""
+    def choice_of(self, chosen: Mapping[str, str]) -> ScoredPlan:
+        """The plan giving each item its option in ``chosen`` (item name -> option; items reading
+        one tensor must agree), and its score. Exact companions on: the menu's bytes assume them."""
         joint = {i.name: (str(i.partner), *split_joint(chosen[i.name])) for i in self.items if i.kind == JOINT_KIND}
         conv = {i.name: chosen[i.name] for i in self.items if i.kind in MAP_KINDS}
         conv |= {name: conv_option for name, (_, _, conv_option) in joint.items()}
@@ -180,14 +181,15 @@ class MenuResult:
         act = {i.name: chosen[i.name] for i in self.items if i.kind == "act" and chosen[i.name] != "native"}
         saved = region_rule({i.name: chosen[i.name] for i in self.items if i.kind == "saved"},
                             {i.name: i.shielded for i in self.items if i.kind == "saved"})
-        return MapChoice(conv, norm or "native", act or "native", self._score(chosen), saved)
+        plan = CompressionPlan(conv, norm or "native", act or "native", saved, exact_companions=True)
+        return ScoredPlan(plan, self._score(chosen))
 
     def uniform_choice(self, conv: str, norm: str = "native", act: str = "native",
-                       saved: str = "native") -> MapChoice:
+                       saved: str = "native") -> ScoredPlan:
         """One option everywhere (``conv`` as written in a map, e.g. "2/int4"; a storage for the
         BatchNorm, activation and saved-region items), as a map whose bytes the menu predicts exactly."""
         kinds = {"norm": norm, "act": act, "saved": saved}
-        chosen = self.options_of({"*": conv})
+        chosen = self.options_of(CompressionPlan({"*": conv}))
         for item in self.items:
             if item.kind in kinds:
                 chosen[item.name] = kinds[item.kind]

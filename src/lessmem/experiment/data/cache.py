@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from lessmem.experiment.data.images import TensorImages
 from lessmem.experiment.data.scan import ImageFolderSplit
 from lessmem.experiment.paths import cache_dir
+from lessmem.experiment.progress import with_progress
 from lessmem.experiment.runtime import atomic_torch_save
 
 
@@ -35,12 +35,10 @@ def decode_image(path: str, size: int | None) -> np.ndarray:
 
 
 def decode_files(files: Sequence[str], size: int | None, desc: str) -> Tensor:
-    """Decode images into one uint8 (N, 3, H, W) tensor, with a progress bar."""
+    """Decode images into one uint8 (N, 3, H, W) tensor, showing its progress."""
     with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) * 2)) as pool:
-        arrays = list(
-            tqdm(pool.map(lambda f: decode_image(f, size), files, chunksize=64), total=len(files),
-                 desc=desc, unit="img", leave=False)
-        )
+        arrays = list(with_progress(pool.map(lambda f: decode_image(f, size), files, chunksize=64), desc, "img",
+                                    total=len(files), leave=False))
     return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
 
 
