@@ -90,6 +90,7 @@ def measure_menu(
             x, y = _split(batch)
             x, y = x.to(device), None if y is None else y.to(device)
             first = first if first is not None else x
+            recorder.batch_storage = x.untyped_storage().data_ptr()
             exact, saved = _flat_grad(net, params, x, y, loss_fn, batch_no, hooks=(recorder, lossy_inputs),
                                       count_saved=batch_no == 0)
             norm2 = float(exact.square().sum())
@@ -314,6 +315,10 @@ class _MenuRecorder:
         self.shapes: dict[str, tuple[tuple[int, ...], int]] = {}
         self.groups: dict[str, tuple[int, tuple[int, ...], str]] = {}
         self.caller_held: set[str] = set()
+        # The storage of the batch the model is called on: a layer reading it (or a view of it) adds
+        # nothing by keeping it, as ``measure_memory`` counts; any other input is the graph's to keep,
+        # a no-grad one too (a frozen embedding's output, in a LoRA model).
+        self.batch_storage: int | None = None
 
     def _options(self, layer: SensitivityLayer) -> list[tuple[int, str]]:
         return self.token_options if isinstance(layer, TokenLinearLayer) else self.conv_options
@@ -331,7 +336,7 @@ class _MenuRecorder:
             if tokens and (x.dim() < 3 or kept_by_graph(x)):
                 return  # the core runs the stock linear there whatever the map says: nothing to choose
             pre_pad = None if tokens else layer.pre_pad
-            if x.grad_fn is None and not x.requires_grad and pre_pad is None:
+            if pre_pad is None and x.untyped_storage().data_ptr() == self.batch_storage:
                 self.caller_held.add(layer.name)
             # One tensor read by several layers is stored once per option (a pre-padded input is a
             # fresh tensor per conv, so it never shares).

@@ -1,0 +1,82 @@
+"""lessmem in the HF transformers ``Trainer`` (PEFT models included):
+
+    trainer.add_callback(LessmemCallback(trainer, memory_budget="6GiB"))
+
+The callback sees the first training batch as the model's forward receives it (a forward pre-hook:
+the Trainer hands batches to no callback), compresses the model in place before that forward runs
+(``CompressionSchedule``: a map, a preset or the plan ``lessmem.fit`` chooses for the budget, with
+the trainer's optimizer and the model's own loss, so the batches need labels), and at the step's
+end logs the figures through ``trainer.log``: the trainer's log history and every ``report_to``
+integration (W&B when it is on). It holds the trainer for that: the events it gets carry no handle
+to log through."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from lessmem.core import CompressionPlan
+from lessmem.integrations.schedule import BatchCall, CompressionSchedule
+
+if TYPE_CHECKING:
+    from transformers import Trainer
+
+
+def model_loss(model: nn.Module, batch: tuple[tuple[Any, ...], dict[str, Any]]) -> Tensor:
+    """The loss an HF model returns for ``batch`` (its forward's positional and keyword arguments)."""
+    args, kwargs = batch
+    out = model(*args, **kwargs)
+    loss = out.get("loss") if isinstance(out, Mapping) else None
+    if not isinstance(loss, Tensor):
+        raise ValueError("lessmem: the model returned no loss for its training batch; LessmemCallback measures the "
+                         "model's own loss, so the batches need labels")
+    return loss
+
+
+class LessmemCallback(TrainerCallback):
+    """Compresses the Trainer's model on its first training batch and, with ``adapt_every``, again
+    every that many optimizer steps; ``plan`` and ``options`` are ``CompressionSchedule``'s (one of a
+    plan or map, ``preset=`` or ``memory_budget=``). ``schedule.plan`` is the plan in force."""
+
+    def __init__(self, trainer: Trainer, plan: CompressionPlan | Mapping[str, Any] | None = None, **options: Any) -> None:
+        self.trainer = trainer
+        self.schedule = CompressionSchedule(plan, **options)
+        self._hook: RemovableHandle | None = None
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       model: nn.Module, **kwargs: Any) -> None:
+        self._hook = model.register_forward_pre_hook(_watching(self, model), with_kwargs=True)
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        figures = self.schedule.finish()
+        if figures:
+            should_log = control.should_log
+            self.trainer.log(figures)
+            control.should_log = should_log  # trainer.log clears it: the step's own loss is still to log
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def before_forward(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A training forward of the model is about to run on a batch: apply a plan if one is due."""
+        if not (model.training and torch.is_grad_enabled()) or not self.schedule.due(self.trainer.state.global_step):
+            return
+        optimizer = self.trainer.optimizer
+        self.schedule.apply(model, BatchCall(model, (args, kwargs), model_loss), self.trainer.state.global_step,
+                            optimizer=getattr(optimizer, "optimizer", optimizer))  # accelerate wraps the optimizer
+
+
+def _watching(callback: LessmemCallback, model: nn.Module) -> Callable[[nn.Module, tuple, dict], None]:
+    """The pre-hook: a plain function (a copy of the model, as ``lessmem.fit`` makes, copies the
+    function, not the callback and its trainer) that acts on ``model`` alone, not on its copies."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if module is model:
+            callback.before_forward(module, args, kwargs)
+    return hook

@@ -1,0 +1,201 @@
+"""lessmem on PEFT LoRA models (``peft.get_peft_model``): adapters on q / k / v / o and the gated
+MLP's gate / up / down projections of a tiny random-init Llama (2 layers, width 64, 4 heads, 32
+tokens; nothing downloaded). The frozen base layers keep nothing, adapters reading one input share
+one code, native storage trains with stock's gradients, and saved bytes agree with a count taken
+here with saved_tensors_hooks (independent of ``lessmem.measure_memory``). Skipped without peft
+(the ``finetune`` extra)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import lessmem
+from lessmem.core import stored_bytes
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+VOCAB, WIDTH, TOKENS, BATCH, LAYERS = 128, 64, 32, 4, 2
+ADAPTED = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_llama() -> nn.Module:
+    """A LoRA model on a Llama built from a config; LoRA's B matrices random too (PEFT starts them at
+    zero, which would make every A gradient zero and the checks below trivial)."""
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=TOKENS))
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=ADAPTED, init_lora_weights=False)
+    return peft.get_peft_model(llama, config).train()
+
+
+def token_batch() -> Tensor:
+    return torch.randint(0, VOCAB, (BATCH, TOKENS), generator=torch.Generator().manual_seed(1))
+
+
+def lm_loss(out: object, ids: Tensor) -> Tensor:
+    """Next-token cross-entropy of a causal LM's output (a ModelOutput with logits)."""
+    logits = out.logits  # type: ignore[attr-defined]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+def adapter(layer: int, projection: str, part: str = "lora_A") -> str:
+    block = "self_attn" if projection in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    return f"base_model.model.model.layers.{layer}.{block}.{projection}.{part}" + ("" if part == "base_layer" else ".default")
+
+
+def saved_by_module(model: nn.Module, ids: Tensor) -> dict[str, int]:
+    """Independent count: each storage autograd saves in one forward, whole and once, under the
+    innermost module running when it was first saved; parameters, buffers and the batch excluded."""
+    held = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), ids]}
+    stack, seen, kept = [""], set(), []
+    counts: dict[str, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in held and ptr != 0 and ptr not in seen:
+            seen.add(ptr)
+            counts[stack[-1]] = counts.get(stack[-1], 0) + t.untyped_storage().nbytes()
+            kept.append(t.detach())  # no address is reused while counting
+        return t.detach()  # no backward follows: a kept grad_fn would leak the graph
+
+    def leave(module: nn.Module, args: object, out: object) -> None:
+        stack.pop()  # a hook's non-None return would replace the output
+
+    handles = [h for name, m in model.named_modules()
+               for h in (m.register_forward_pre_hook(lambda mod, args, n=name: stack.append(n)), m.register_forward_hook(leave))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(ids)
+        del out
+    finally:
+        for h in handles:
+            h.remove()
+    return counts
+
+
+def trainable_grads(model: nn.Module, ids: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = lm_loss(model(ids), ids)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("mapping", [{"*": "int8"}, {"*": 2}], ids=["int8", "pool2"])
+def test_frozen_base_layers_keep_nothing(mapping: dict[str, object]) -> None:
+    """``"*"`` reaches the frozen base projections and the frozen head too: they are swapped but keep
+    nothing (their input gradient needs only their weight), as stock's keep nothing; the adapters'
+    A matrices keep their inputs' codes."""
+    model, ids = lora_llama(), token_batch()
+    compressed = lessmem.compress(copy.deepcopy(model), mapping)
+    frozen = [adapter(i, p, "base_layer") for i in range(LAYERS) for p in ADAPTED] + ["base_model.model.lm_head"]
+    assert set(frozen) <= set(lessmem.compressed_layers(compressed))
+    for counts in (saved_by_module(model, ids), saved_by_module(compressed, ids)):
+        assert not any(counts.get(name) for name in frozen)
+    assert all(saved_by_module(compressed, ids)[adapter(i, "q_proj")] > 0 for i in range(LAYERS))
+
+
+def test_adapters_reading_one_input_share_one_code() -> None:
+    """q / k / v's A matrices read the normed hidden states (and so do the frozen base projections),
+    gate / up's the post-attention norm's output: one int8 code each, kept by the first reader. In
+    layer 0 that input needs no gradient (frozen embedding and norm) and is kept all the same."""
+    model, ids = lora_llama(), token_batch()
+    counts = saved_by_module(lessmem.compress(model, {"*lora_A*": "int8"}), ids)
+    code = stored_bytes(BATCH * TOKENS * WIDTH, "int8", 4)
+    for layer in range(LAYERS):
+        assert counts[adapter(layer, "q_proj")] == counts[adapter(layer, "gate_proj")] == code
+        for sharer in ("k_proj", "v_proj", "up_proj"):
+            assert adapter(layer, sharer) not in counts
+
+
+@pytest.mark.parametrize("mapping, saved_storage", [(None, "native"), ({"*": 1}, "native"), ({"*": "native"}, "native"),
+                                                    ({"*": 1}, {"*self_attn": "native"})],
+                         ids=["companions", "kernel1", "native", "native_saved_storage"])
+def test_native_storage_trains_with_stock_gradients(mapping: dict[str, object] | None,
+                                                    saved_storage: str | dict[str, str]) -> None:
+    """Exact companions on (Llama's gated MLP recomputed in backward, its projections LoRA layers) and
+    native storage everywhere: the loss and every trainable parameter's gradient equal stock's."""
+    model, ids = lora_llama(), token_batch()
+    stock_loss, stock = trainable_grads(model, ids)
+    compressed = lessmem.compress(copy.deepcopy(model), mapping, saved_storage=saved_storage)
+    assert type(compressed.get_submodule("base_model.model.model.layers.0.mlp")).__name__ == "RecomputedGatedMLP"
+    loss, grads = trainable_grads(compressed, ids)
+    assert torch.equal(loss, stock_loss)
+    assert grads.keys() == stock.keys() and len(grads) == 4 * len(ADAPTED)
+    for name, grad in grads.items():
+        assert torch.equal(grad, stock[name]), name
+
+
+def test_pooled_b_inputs_leave_a_gradients_exact() -> None:
+    """Pooling only the B matrices' inputs changes only their weight gradients: the gradient reaching
+    every A matrix (error propagation) stays stock's, bit for bit."""
+    model, ids = lora_llama(), token_batch()
+    _, stock = trainable_grads(model, ids)
+    _, pooled = trainable_grads(lessmem.compress(copy.deepcopy(model), {"*lora_B*": 2}), ids)
+    for name, grad in pooled.items():
+        assert torch.equal(grad, stock[name]) == (".lora_A." in name), name
+
+
+@pytest.mark.parametrize("mapping, settings", [
+    (None, {}), ({"*": 2}, {}), ({"*": "int8"}, {}),
+    ({"*": "int8"}, {"act_storage": "int8", "saved_storage": "int8"}),
+], ids=["companions", "pool2", "int8", "int8_everywhere"])
+def test_saved_bytes_equal_an_independent_count(mapping: dict[str, object] | None, settings: dict[str, str]) -> None:
+    model, ids = lora_llama(), token_batch()
+    stock = lessmem.measure_memory(model, ids).total_bytes
+    assert stock == sum(saved_by_module(model, ids).values())
+    compressed = lessmem.compress(copy.deepcopy(model), mapping, **settings)
+    report = lessmem.measure_memory(compressed, ids)
+    assert report.total_bytes == sum(saved_by_module(compressed, ids).values()) < stock
+    coverage = lessmem.coverage(compressed, ids)
+    assert coverage.total_bytes == report.total_bytes and coverage.stock_bytes == stock
+    print(f"LoRA Llama, batch {BATCH}x{TOKENS}: stock {stock} bytes, {mapping} {settings} {report.total_bytes} "
+          f"({report.ratio_to(lessmem.measure_memory(model, ids)):.3f})")
+
+
+def test_menu_offers_loras_own_saved_tensors() -> None:
+    """The menu's token-linear items are the adapters' A and B matrices (the frozen projections and head
+    have no weight gradient to approximate; o_proj's A reads the attention output, which SDPA keeps
+    anyway), readers of one input choosing together, each A's exact option costing its input's bytes
+    (layer 0's too, whose input needs no gradient); a map it makes saves what it predicts."""
+    model, ids = lora_llama(), token_batch()
+    menu = lessmem.measure_menu(model, [(ids, ids)], lessmem.MenuOptions(), lm_loss)
+    items = {i.name: i for i in menu.items if i.kind == "linear"}
+    expected = {adapter(i, p, part) for i in range(LAYERS) for p in ADAPTED for part in ("lora_A", "lora_B")}
+    assert set(items) == expected - {adapter(i, "o_proj") for i in range(LAYERS)}
+    assert menu.stock_bytes == lessmem.measure_memory(model, ids).total_bytes
+    for layer in range(LAYERS):
+        q, k, v, gate, up = (items[adapter(layer, p)] for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+        assert q.group == k.group == v.group != gate.group == up.group
+        for item in (q, gate):
+            assert item.nbytes[item.index("1")] == BATCH * TOKENS * WIDTH * 4
+            assert item.nbytes[item.index("int8")] == stored_bytes(BATCH * TOKENS * WIDTH, "int8", 4)
+    chosen = menu.make_map(0.75)
+    saved = lessmem.measure_memory(lessmem.compress(copy.deepcopy(model), chosen.plan), ids).total_bytes
+    assert saved == chosen.score["bytes"] <= 0.75 * menu.stock_bytes
+
+
+def test_fit_plans_a_lora_model_for_a_budget() -> None:
+    """``lessmem.fit`` on the LoRA model with AdamW on the adapters: a budget between stock's
+    whole-step peak and the menu's smallest gives a plan whose measured step fits, and stock's
+    frozen weights stay frozen."""
+    model, ids = lora_llama(), token_batch()
+
+    def adamw(params):
+        return torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-3)
+
+    stock = lessmem.fit(model, (ids, ids), 2**40, optimizer=adamw, loss_fn=lm_loss)
+    budget = int(0.95 * stock.stock_step_peak_bytes)
+    fitted = lessmem.fit(model, (ids, ids), budget, optimizer=adamw, loss_fn=lm_loss)
+    assert stock.stock and not fitted.stock
+    assert fitted.step_peak_bytes <= budget < fitted.stock_step_peak_bytes
+    lessmem.compress(model, fitted.plan)
+    assert any(".lora_" in name for name in lessmem.compressed_layers(model))
+    print(f"lessmem.fit on the LoRA Llama: budget {budget}, stock step peak {fitted.stock_step_peak_bytes}, "
+          f"chosen plan's step peak {fitted.step_peak_bytes}")
