@@ -79,6 +79,13 @@ PRESETS = {
                  "int2_bn1": ("int2", "int1", "native", "native"), "int1_bn1": ("int1", "int1", "native", "native"),
                  "pool2_int2_bn2": ("2/int2", "int2", "native", "native"),
                  "pool2_int1_bn1": ("2/int1", "int1", "native", "native")}),
+    # Issue 42, at convergence: all 50k images, experiment=cifar10_converged (its recipe tuned for stock);
+    # the menu after one epoch of stock steps (391), as a user warms up before lessmem-sensitivity.
+    "resnet20_converged": Preset(
+        train=["experiment=cifar10_converged", "logger=csv", "memory_batch=32"],
+        sensitivity=["sensitivity.batches=8", "sensitivity.batch_size=${memory_batch}", "sensitivity.warmup_steps=391"],
+        metric="final_top1", label="top-1", scale=100.0, lower_is_better=False, sweep="menu_resnet20",
+        budgets=[0.08]),
     # lm_quick: 300 steps of tiny_llama on the stdlib's source; the menu after 100 stock steps.
     "tiny_llama": Preset(
         train=["experiment=lm_quick", "logger=csv"],
@@ -186,6 +193,9 @@ def jobs_for(out: Path, preset: Preset, args: argparse.Namespace, configs: dict[
             if config == "stock":
                 jobs.append(train_job(out, "stock", seed, ["compression=none"], common))
                 continue
+            if "overrides" in configs[config]:  # a configuration the run chooses itself (memory_budget=)
+                jobs.append(train_job(out, config, seed, ["compression=none", *configs[config]["overrides"]], common))
+                continue
             searched = config.startswith("search_")
             path = out / "search" / f"b{config.removeprefix('search_')}" / "best_map.yaml" if searched \
                 else out / "maps" / f"{config}.yaml"
@@ -265,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--map-files", type=Path, nargs="+", default=[], metavar="FILE",
                    help="also train these map files (a compression preset or lessmem-sensitivity's format; "
                         "config: the file's stem, at the tightest budget)")
+    p.add_argument("--override-configs", nargs="+", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                   help="also train configurations given by overrides instead of a map, e.g. "
+                        "'budget_0.45:memory_budget=86MiB' (the byte-budget path; at the tightest budget)")
     p.add_argument("--menu", type=Path, default=None, help="a menu.json to use instead of measuring one")
     p.add_argument("--search-trials", type=int, default=10, help="0: no menu search")
     p.add_argument("--set", nargs="*", default=[], help="more training overrides (KEY=VALUE), for every run")
@@ -294,6 +307,11 @@ def main(argv: list[str] | None = None) -> int:
         write_map(out, name, choice, f"{args.model} proof map {name}")
     for path in args.map_files:
         configs[copy_map(out, path)] = {"home": budget_name(min(args.budgets)), "uniform": False}
+    for spec in args.override_configs:
+        name, _, overrides = spec.partition(":")
+        if not name or "=" not in overrides:
+            p.error(f"--override-configs {spec!r}: write NAME:KEY=VALUE[,KEY=VALUE]")
+        configs[name] = {"home": budget_name(min(args.budgets)), "uniform": False, "overrides": overrides.split(",")}
     jobs = jobs_for(out, preset, args, configs, menu_path)
     (out / "proof.json").write_text(json.dumps(relative_to_repo(
         layout(preset, args.model, configs, args.budgets, menu_path, argv,

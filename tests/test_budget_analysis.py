@@ -233,6 +233,10 @@ def test_proof_driver_plans_maps_that_fit_and_runs_each_search_before_its_best_m
     trained = jobs["search_0.05/seed7"]
     assert trained.deps == ["search_0.05"] and trained.needs == [tmp_path / "search" / "b0.05" / "best_map.yaml"]
     assert "epochs=1" in jobs["stock/seed0"].argv
+    configs["budget_0.45"] = {"home": "0.05", "uniform": False, "overrides": ["memory_budget=86MiB"]}
+    budget_job = next(j for j in proof.jobs_for(tmp_path, preset, ns, configs, tmp_path / "menu" / "menu.json")
+                      if j.name == "budget_0.45/seed3")
+    assert budget_job.argv[-3:] == ["compression=none", "memory_budget=86MiB", "seed=3"] and not budget_job.needs
 
 
 def test_proof_driver_copies_map_files_and_refuses_to_overwrite_one(tmp_path: Path) -> None:
