@@ -189,8 +189,13 @@ def restore_checkpoint(ckpt: dict[str, Any], state: TrainState, config: dict[str
 
 
 def load_checkpoint(model: nn.Module, path: str | Path) -> None:
-    """Load weights into ``model`` from a state_dict file or a training checkpoint (``'model'``)."""
-    state = load_torch_file(resolve_path(path))
+    """Load weights into ``model`` from a state_dict file or a training checkpoint (``'model'``);
+    ValueError (one line) when they do not fit it."""
+    path = resolve_path(path)
+    state = load_torch_file(path)
     if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
         state = state["model"]
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:  # missing / unexpected keys, other shapes: another model's weights
+        raise ValueError(f"checkpoint {path} does not fit the model ({type(model).__name__}): {e}") from e

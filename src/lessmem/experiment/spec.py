@@ -19,13 +19,14 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lessmem.core import CompressionPlan
+from lessmem.experiment.checkpoint import load_checkpoint
 from lessmem.experiment.compression import compression_given, resolve_compression
 from lessmem.experiment.data import build_loaders
 from lessmem.experiment.distributed import DistInfo, broadcast_object, setup_distributed
-from lessmem.experiment.paths import open_struct
+from lessmem.experiment.paths import open_struct, resolve_path
 from lessmem.experiment.runtime import resolve_device, validate
 from lessmem.experiment.task import Task, task_of
-from lessmem.models import build_model
+from lessmem.models import build_model, with_lora
 from lessmem.sensitivity import DEFAULT_CRITERION, MenuOptions
 
 
@@ -34,9 +35,14 @@ class ModelSpec:
     name: str
     num_classes: int
     options: dict[str, Any]  # the builder's other keyword arguments (the ``model`` group's other keys)
+    init_checkpoint: Path | None = None  # weights loaded as built (a run's checkpoint.pt), before LoRA
+    lora: dict[str, Any] | None = None  # peft.LoraConfig's arguments: the adapters train, nothing else
 
     def build(self) -> nn.Module:
-        return build_model(self.name, self.num_classes, **self.options)
+        model = build_model(self.name, self.num_classes, **self.options)
+        if self.init_checkpoint is not None:
+            load_checkpoint(model, self.init_checkpoint)
+        return model if self.lora is None else with_lora(model, self.lora)
 
 
 @dataclass(frozen=True)
@@ -124,12 +130,26 @@ class RunSpec:
 
 
 def model_spec(model_cfg: Mapping[str, Any]) -> ModelSpec:
-    """The ``model`` group as a spec (name, num_classes, the builder's keyword arguments; its
-    ``task`` is the run's, read by ``lessmem.experiment.task``)."""
+    """The ``model`` group as a spec (name, num_classes, ``init_checkpoint``, ``lora``, the builder's
+    keyword arguments; its ``task`` is the run's, read by ``lessmem.experiment.task``)."""
     options = dict(OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig) else model_cfg)
     name, num_classes = options.pop("name"), options.pop("num_classes")
     options.pop("task", None)
-    return ModelSpec(str(name), int(num_classes), options)
+    init, lora = options.pop("init_checkpoint", None), options.pop("lora", None)
+    return ModelSpec(str(name), int(num_classes), options,
+                     init_checkpoint=None if init is None else existing_checkpoint(str(init)),
+                     lora=None if lora is None else dict(lora))
+
+
+def existing_checkpoint(given: str) -> Path:
+    """``model.init_checkpoint`` resolved, checked before anything is built."""
+    path = resolve_path(given)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"model.init_checkpoint: no checkpoint at {path}; train the base model first (experiment=lora_quick's: "
+            f"lessmem-train experiment=lm_quick hydra.run.dir={Path(given).parent}) or set "
+            "model.init_checkpoint=PATH to a run's checkpoint.pt")
+    return path
 
 
 def default_out_dir() -> Path:
