@@ -350,3 +350,14 @@ def test_measured_map_errors_rank_against_a_criterion_checks_runs(tmp_path: Path
     out = capsys.readouterr().out
     assert "measured whole with final final_val_ppl over 4 maps: +1.000" in out
     assert "measured tensor_error with final final_val_ppl over 4 maps: +0.400" in out
+
+
+def test_every_proof_preset_composes() -> None:
+    """Each analysis/proof.py preset's training overrides make a config (a renamed group or key fails here,
+    not hours into a proof)."""
+    from lessmem.experiment import compose_config
+
+    proof = importlib.import_module("proof")
+    for name, preset in proof.PRESETS.items():
+        cfg = compose_config([*preset.train, "compression=none"])
+        assert cfg.model.name and cfg.epochs >= 1, name
