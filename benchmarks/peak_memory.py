@@ -44,10 +44,14 @@ CONFIGS: dict[str, dict[str, int | str] | None] = {
     # every conv input after BatchNorm + ReLU / ReLU6 rebuilt in backward, not kept (``REBUILT``): exact, and
     # beside the paper's 2x2
     "exact+from_bn": {}, "2x2+from_bn": {"*": 2},
+    # the same, every BatchNorm exact with the chunked backward (norm_storage "chunked")
+    "2x2+chunked": {"*": 2}, "exact+from_bn+chunked": {}, "2x2+from_bn+chunked": {"*": 2},
     # causal LMs (--seq): every saved tensor int8, the ``lossy_int8`` preset
     "lossy_int8": {"*": "int8"}}
-REBUILT = ("exact+from_bn", "2x2+from_bn")  # lessmem.core.rebuildable_convs of the model, found on a small batch
-NORM_STORAGE = {"int2+int4bn": "int4", "int1+int2bn": "int2", "lossy_int8": "int8"}  # BatchNorm / norm inputs
+# lessmem.core.rebuildable_convs of the model, found on a small batch
+REBUILT = ("exact+from_bn", "2x2+from_bn", "exact+from_bn+chunked", "2x2+from_bn+chunked")
+NORM_STORAGE = {"int2+int4bn": "int4", "int1+int2bn": "int2", "lossy_int8": "int8",  # BatchNorm / norm inputs
+                **dict.fromkeys(("2x2+chunked", "exact+from_bn+chunked", "2x2+from_bn+chunked"), "chunked")}
 OTHER_STORAGES = {"lossy_int8": {"act_storage": "int8", "saved_storage": "int8"}}  # activations, the rest
 VOCAB = 256  # token ids of the causal-LM models (--seq)
 OPTIMIZERS = {

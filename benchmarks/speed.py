@@ -12,6 +12,8 @@ machine noise hits both alike; the reported ratio is median(compressed) / median
     python benchmarks/speed.py --threads 1 --clock cpu    # CPU time: steadier on a shared machine
     python benchmarks/speed.py --maps int2 --norm-storage int4    # a low-bit map, BatchNorm in int4
     python benchmarks/speed.py --maps int2 'layer*.conv2:from_bn,*:int2' --norm-storage int4   # a whole map
+    python benchmarks/speed.py --model resnet20 --size 32 --batch 128 --threads 1 --clock cpu \
+        --map-file joint_0.08.yaml   # a plan file, its storages too (docs/results/speed.md: issue 42)
     python benchmarks/speed.py --model tiny_llama --seq 256 --batch 8 --optimizer adamw --maps int8 \
         --norm-storage int8 --act-storage int8 --saved-storage int8 --threads 1 --clock cpu  # lossy_int8
 
@@ -19,7 +21,9 @@ Models: torchvision names and lessmem's registry (resnet20, resnet18_cifar, ...)
 times the map {"*": K}; ``--maps SPEC`` times {"*": SPEC} for a spec string of ``lessmem.compress``
 (``k``, ``k/storage``, ``khxkw/storage`` or a storage alone, storages native, bf16, int8, int4,
 int2, int1), named in the table as ``LayerSpec`` prints it (``2x2/int4``; ``int8`` is ``1x1/int8``).
-Without ``--maps``, ``--kernels`` defaults to 2 4.
+``--map-file FILE`` times the plan in a map file (``lessmem.CompressionPlan.read``: its map and its
+storages; the ``--*-storage`` options do not apply to it), named by the plan's label.
+Without ``--maps`` or ``--map-file``, ``--kernels`` defaults to 2 4.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ def main() -> None:
     parser.add_argument("--maps", nargs="+", default=[], metavar="SPEC",
                         help="spec strings, each timed as the map {'*': SPEC}: e.g. 4/native int4 2/int4 int8; "
                              "or a whole map as PATTERN:SPEC,... ('layer*.conv2:from_bn,*:int2')")
+    parser.add_argument("--map-file", nargs="+", default=[], metavar="FILE",
+                        help="map files (CompressionPlan.read), each timed with its own storages")
     parser.add_argument("--norm-storage", default="native", choices=STORAGES,
                         help="BatchNorm input storage of every compressed config (int4 with --maps int2: the low-bit map)")
     parser.add_argument("--act-storage", default="native", choices=STORAGES,
@@ -84,8 +90,9 @@ def main() -> None:
                         help="also print the top ops (self CPU time) of stock and CONFIG, one step each "
                              "(K for KxK, or a config name of the table such as 2x2/int4)")
     args = parser.parse_args()
-    specs = _specs(parser, args.kernels, args.maps)
-    profiled = _profiled(parser, args.profile, specs)
+    specs = _specs(parser, args.kernels, args.maps, bool(args.map_file))
+    plans = _plans(parser, args.map_file, specs)
+    profiled = _profiled(parser, args.profile, [*specs, *plans])
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -97,6 +104,8 @@ def main() -> None:
     for name, mapping in specs.items():
         models[name] = lessmem.compress(copy.deepcopy(stock), mapping, norm_storage=args.norm_storage,
                                         act_storage=args.act_storage, saved_storage=args.saved_storage)
+    for name, plan in plans.items():
+        models[name] = lessmem.compress(copy.deepcopy(stock), plan)
     optimizers = {n: OPTIMIZERS[args.optimizer](m.parameters()) for n, m in models.items()}
     if args.compile:
         models = {n: torch.compile(m) for n, m in models.items()}
@@ -133,10 +142,12 @@ def main() -> None:
             profile_step(name, models[name], optimizers[name], x, y)
 
 
-def _specs(parser: argparse.ArgumentParser, kernels: list[int] | None, maps: list[str]) -> dict[str, dict]:
+def _specs(parser: argparse.ArgumentParser, kernels: list[int] | None, maps: list[str],
+           map_files: bool = False) -> dict[str, dict]:
     """{table name: map} of the compressed configurations, kernels first, each once: a spec is the
     map {"*": spec}, named as its LayerSpec prints; a whole map (``PATTERN:SPEC,...``) is named as written."""
-    values: list[object] = list(kernels if kernels is not None else ([] if maps else [2, 4])) + list(maps)
+    default = [] if maps or map_files else [2, 4]
+    values: list[object] = list(kernels if kernels is not None else default) + list(maps)
     specs: dict[str, dict] = {}
     for value in values:
         try:
@@ -149,7 +160,21 @@ def _specs(parser: argparse.ArgumentParser, kernels: list[int] | None, maps: lis
     return specs
 
 
-def _profiled(parser: argparse.ArgumentParser, profile: str | None, specs: dict[str, object]) -> str | None:
+def _plans(parser: argparse.ArgumentParser, files: list[str], specs: dict[str, dict]) -> dict[str, lessmem.CompressionPlan]:
+    """{table name: plan} of the ``--map-file`` configurations, named by their labels."""
+    plans: dict[str, lessmem.CompressionPlan] = {}
+    for file in files:
+        try:
+            plan = lessmem.CompressionPlan.read(file)
+        except (OSError, ValueError) as e:
+            parser.error(f"--map-file {file}: {e}")
+        if plan.label in specs or plan.label in plans:
+            parser.error(f"--map-file {file}: a configuration named {plan.label!r} is timed already")
+        plans[plan.label] = plan
+    return plans
+
+
+def _profiled(parser: argparse.ArgumentParser, profile: str | None, specs: list[str]) -> str | None:
     """The configuration ``--profile`` names (K stands for KxK), checked against the table's."""
     if profile is None:
         return None

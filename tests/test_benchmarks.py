@@ -78,6 +78,17 @@ def test_speed_benchmark_times_a_whole_map(stdout_of) -> None:
     assert re.search(r"^\| layer\*\.conv2:from_bn,\*:int2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", out, re.M), out
 
 
+def test_speed_benchmark_times_a_map_file_with_its_storages(tmp_path: Path, stdout_of, bench) -> None:
+    plan = tmp_path / "small.yaml"
+    plan.write_text("name: small\nmap:\n  layer1.*.conv2: from_bn\n  '*': int2\nnorm_storage: int4\n")
+    out = stdout_of("speed.py", "--model", "resnet18", "--size", "32", "--batch", "2", "--map-file", str(plan),
+                    "--repeats", "1", "--warmup", "1")
+    rows = re.findall(r"^\| (\S+) \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", out, re.M)
+    assert rows == ["stock", "small"], out  # no default kernels beside a map file
+    status, _, err = bench("speed.py", "--map-file", str(tmp_path / "missing.yaml"))
+    assert status == 2 and "--map-file" in err and "does not exist" in err
+
+
 def test_speed_benchmark_names_a_bad_spec(bench) -> None:
     status, _, err = bench("speed.py", "--maps", "2/int3")
     assert status == 2 and "--maps 2/int3" in err and "unknown storage 'int3'" in err

@@ -4,16 +4,20 @@ first layer's weight gradient in batch slices; each against the unfused referenc
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 import lessmem
+from lessmem.core.kernels import cpu as cpu_kernels
 from lessmem.core.ops import batchnorm, conv, masked_activations, recompute
 from lessmem.core.ops.batchnorm import StoredBatchNormFunction, chunked_batch_norm_backward
 from lessmem.core.ops.conv import chunked_weight_grad, conv_grads, input_grad
 from lessmem.core.rounding import set_rounding_seed
 from lessmem.core.storage import pack_tensor, tensor_meta, unpack_tensor
+from lessmem.models.registry import build_model
 
 
 @pytest.mark.parametrize("storage", ["native", "bf16", "bf16_rn", "int8", "int8_rn", "int4", "int2"])
@@ -61,6 +65,64 @@ def test_normalized_input_packed_in_slices_equals_one_pack(storage: str, monkeyp
     assert (decoded - expected).abs().max() <= packs[0][2].max() * 1.0001  # within one code step of x_hat
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """t's bits (signed zeros compare as what they are)."""
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("storage", ["int8_rn", "int4", "int2", "int1"])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_fused_normalized_codes_are_the_torch_paths(storage: str, channels_last: bool, dtype: torch.dtype,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused kernel codes x_hat from x in one pass: the codes, min and scale of the torch path
+    bit for bit (samples on and off code groups, a padded last group, NHWC's channel order)."""
+    if cpu_kernels.build_cpu_kernels() is None:
+        pytest.skip("no C++ compiler here: the torch path is the only one")
+    torch.manual_seed(0)
+    for shape in [(6, 16, 8, 16), (3, 5, 7, 3)]:
+        x = (torch.randn(shape) * 3 + 1).to(dtype)
+        x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        _, mean, invstd = torch.ops.aten.native_batch_norm(x, None, None, None, None, True, 0.1, 1e-5)
+        packs = []
+        for fused in (True, False):
+            with monkeypatch.context() as patch:
+                if not fused:
+                    patch.setattr(batchnorm, "_normalizes_fused", lambda *args: False)
+                set_rounding_seed(0)
+                packs.append(batchnorm.pack_normalized(x, mean, invstd, storage))
+        assert all(torch.equal(_raw(a), _raw(b)) for a, b in zip(*packs, strict=True)), shape
+
+
+@pytest.mark.parametrize("storage", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_fused_code_passes_of_the_batch_norm_backward_are_the_torch_ops(
+        storage: str, channels_last: bool, inplace: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward's passes over x_hat's codes, fused (decoded times the gradient; the input
+    gradient), give the torch ops' gradients bit for bit, in one chunk and in chunks of two samples."""
+    if cpu_kernels.build_cpu_kernels() is None:
+        pytest.skip("no C++ compiler here: the torch path is the only one")
+    torch.manual_seed(0)
+    x = torch.randn(5, 16, 8, 16)
+    x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    w, b = torch.randn(16), torch.randn(16)
+    _, mean, invstd = torch.ops.aten.native_batch_norm(x, w, b, None, None, True, 0.1, 1e-5)
+    packed = batchnorm.pack_normalized(x, mean, invstd, storage)
+    grad = torch.randn_like(x)
+    for chunk in (batchnorm.CHUNK_ELEMENTS, 2 * 16 * 8 * 16):
+        results = []
+        for fused in (True, False):
+            with monkeypatch.context() as patch:
+                patch.setattr(batchnorm, "CHUNK_ELEMENTS", chunk)
+                if not fused:
+                    patch.setattr(batchnorm, "_codes_backward_fused", lambda *args: False)
+                results.append(chunked_batch_norm_backward(grad.clone(), packed, storage, tensor_meta(x), w, mean,
+                                                           invstd, [True] * 3, inplace, True))
+        for f, r in zip(*results, strict=True):
+            assert torch.equal(_raw(f), _raw(r)) and f.stride() == r.stride()
+
+
 def stem_model(channels: int = 32) -> nn.Sequential:
     """A wide stem (conv, BatchNorm, ReLU, max-pool) before narrow layers: the stem's backward
     holds the step's largest tensors."""
@@ -94,9 +156,10 @@ def grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("build", [stem_model, lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), Residual(),
                                                                      Residual())])
-def test_in_place_gradients_change_no_value(build, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("norm_storage", ["int4", "chunked"])
+def test_in_place_gradients_change_no_value(build, norm_storage: str, monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(4, 3, 32, 32)
-    model = lessmem.compress(build(), {"*": "int2"}, norm_storage="int4")
+    model = lessmem.compress(build(), {"*": "int2"}, norm_storage=norm_storage)
     fused = grads(model, x)
     for module in (masked_activations, batchnorm):
         monkeypatch.setattr(module, "owns", lambda ctx, grad: False)
@@ -105,6 +168,66 @@ def test_in_place_gradients_change_no_value(build, monkeypatch: pytest.MonkeyPat
     reference = grads(model, x)
     for f, r in zip(fused, reference, strict=True):
         assert torch.equal(f, r)
+
+
+@pytest.mark.parametrize("rebuilt", [False, True])
+def test_chunked_batch_norm_is_stocks_to_float_rounding(rebuilt: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """norm_storage="chunked": forward and running statistics stock's bit for bit, every gradient
+    (the input's too) within float rounding of stock's; also where from_bn convs rebuild their
+    inputs from these BatchNorms."""
+    monkeypatch.setattr(batchnorm, "CHUNK_ELEMENTS", 3 * 16 * 32 * 32)  # 3, 6 and 12 samples a chunk
+    torch.manual_seed(0)
+    x, labels = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    stock = build_model("resnet20", 10).train()
+    mapping = {f"layer{s}.{b}.conv2": "from_bn" for s in (1, 2, 3) for b in range(3)} if rebuilt else None
+    model = lessmem.compress(copy.deepcopy(stock), mapping, norm_storage="chunked")
+    assert {m.lessmem_storage for m in model.modules() if isinstance(m, nn.BatchNorm2d)} == {"chunked"}
+    out = {}
+    for name, net in (("stock", stock), ("chunked", model)):
+        leaf = x.clone().requires_grad_()
+        logits = net(leaf)
+        nn.functional.cross_entropy(logits, labels).backward()
+        out[name] = (logits.detach(), {"input": leaf.grad, **{n: p.grad for n, p in net.named_parameters()}},
+                     dict(net.named_buffers()))
+    assert torch.equal(out["stock"][0], out["chunked"][0])
+    assert all(torch.equal(b, out["chunked"][2][n]) for n, b in out["stock"][2].items())
+    for name, grad in out["stock"][1].items():  # measured: 2.3e-6 at most (stock vs float64: 3.9e-6)
+        assert (out["chunked"][1][name] - grad).abs().max() <= 1e-5 * grad.abs().max(), name
+
+
+def test_chunked_batch_norm_backward_drops_two_full_size_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the stem's BatchNorm, where the step peaks: torch's CPU kernel allocates the input gradient
+    twice (the first never written); the chunked backward writes over the incoming gradient (handed
+    on by the ReLU), with two one-sample temporaries."""
+    monkeypatch.setattr(batchnorm, "CHUNK_ELEMENTS", 32 * 32 * 32)  # one sample of the stem
+    data = (torch.randn(4, 3, 64, 64), torch.randint(0, 10, (4,)))
+    peaks = {}
+    for storage in ("native", "chunked"):
+        model = lessmem.compress(stem_model(), None, norm_storage=storage)
+        report = lessmem.measure_step_memory(model, data, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        assert report.phase == "backward"
+        peaks[storage] = report.peak_bytes
+    stem = 4 * 32 * 32 * 32 * 4  # bytes of the stem's conv output, 4 samples
+    assert peaks["native"] - peaks["chunked"] >= 2 * stem - 2 * stem // 4 - 1024  # and per-channel sums
+
+
+def test_chunked_is_an_exact_norm_storage_of_the_plan(tmp_path) -> None:
+    """A plan setting (digest, file), for BatchNorms only; full size in coverage; torch's BatchNorm
+    under autocast (it would save an fp32 copy) and ``uncompress``."""
+    plan = lessmem.CompressionPlan({"*": 2}, norm_storage={"0.bn1": "chunked"})
+    assert plan.digest != plan.replace(norm_storage="native").digest
+    assert lessmem.CompressionPlan.read(plan.write(tmp_path / "plan.yaml")).digest == plan.digest
+    with pytest.raises(ValueError, match="act_storage: unknown storage 'chunked'"):
+        plan.replace(act_storage="chunked")
+    model = lessmem.compress(nn.Sequential(Residual()), plan)
+    assert model[0].bn1.lessmem_storage == "chunked" and type(model[0].bn2) is nn.BatchNorm2d
+    x = torch.randn(2, 8, 8, 8)
+    rows = [r for r in lessmem.coverage(model, x, compare_stock=False).rows if r.layer == "0.bn1"]
+    assert rows and not any(r.compressed for r in rows) and max(rows, key=lambda r: r.bytes).how == "full"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model[0].bn1(x).grad_fn.name() == "NativeBatchNormBackward0"
+    assert model[0].bn1(x).grad_fn.name() == "ChunkedBatchNormFunctionBackward"
+    assert type(lessmem.uncompress(model)[0].bn1) is nn.BatchNorm2d
 
 
 def test_chunked_weight_grad_matches_one_call(monkeypatch: pytest.MonkeyPatch) -> None:

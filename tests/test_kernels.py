@@ -175,8 +175,8 @@ def test_concurrent_first_use_builds_once(tmp_path) -> None:
 @pytest.mark.slow
 def test_scalar_build_matches_the_torch_reference() -> None:
     """The portable build (no AVX2 paths), forced on this CPU: its own binary, and the kernel
-    tests (masks, block pooling, max-pooling, depthwise weight gradient, group quantization) pass
-    against it."""
+    tests (masks, block pooling, max-pooling, depthwise weight gradient, group quantization, BatchNorm's
+    x_hat codes and the passes reading them) pass against it."""
     env = {cpu_build.ISA_ENV: "scalar"}
     proc = run_python("""
         from lessmem.core.kernels import cpu
@@ -190,7 +190,10 @@ def test_scalar_build_matches_the_torch_reference() -> None:
          f"{tests / 'test_triton.py'}::test_fused_cpu_block_pooling_equals_reference",
          f"{tests / 'test_compress.py'}::test_compact_maxpool_matches_stock_on_hard_inputs",
          f"{tests / 'test_compress.py'}::test_depthwise_weight_grad_kernel_equals_expanded_input",
-         f"{tests / 'test_storage.py'}::test_fused_kernels_are_bit_identical_to_the_reference"],
+         f"{tests / 'test_storage.py'}::test_fused_kernels_are_bit_identical_to_the_reference",
+         f"{tests / 'test_fused_backward.py'}::test_fused_normalized_codes_are_the_torch_paths",
+         f"{tests / 'test_fused_backward.py'}::test_fused_code_passes_of_the_batch_norm_backward_are_the_torch_ops",
+         f"{tests / 'test_rebuilt_input.py'}::test_fused_rebuild_is_the_torch_ops"],
         env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "skipped" not in proc.stdout

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lessmem.core import compress, measure_memory
+from lessmem.core.kernels import cpu as cpu_kernels
+from lessmem.core.ops import rebuilt_input
 from lessmem.core.rounding import load_rounding_state, rounding_state
 from lessmem.core.spec import parse_spec
 from lessmem.core.storage import unpack_tensor
@@ -83,6 +85,36 @@ def test_weight_grad_from_the_rebuilt_input(storage: str, channels_last: bool, i
     assert torch.equal(kept["y"].grad, y.grad)  # and so is the input gradient
 
 
+@pytest.mark.parametrize("storage", ["int2", "int8"])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize(("channels", "height"), [(16, 12), (7, 3)])  # batch slices, or the whole input once
+@pytest.mark.parametrize("act", [nn.ReLU(), nn.ReLU6(), nn.Hardtanh(-0.7, 1.3)])
+def test_fused_rebuild_is_the_torch_ops(storage: str, channels_last: bool, channels: int, height: int,
+                                        act: nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The input rebuilt in one fused pass from the codes and the mask is the torch ops' rebuilt
+    input bit for bit (signed zeros off a ReLU's mask included) and laid out alike."""
+    if cpu_kernels.build_cpu_kernels() is None:
+        pytest.skip("no C++ compiler here: the torch path is the only one")
+    model = block(channels=channels)
+    model[2] = act
+    x = torch.randn(5, 3, height, height)
+    if channels_last:
+        x, model = x.contiguous(memory_format=torch.channels_last), model.to(memory_format=torch.channels_last)
+    model = compress(model, {"3": "from_bn"}, norm_storage=storage)
+    y = model[2](model[1](model[0](x)))
+    source, saved = rebuilt_input.claim(y, "3")
+    rebuilt = []
+    for fused in (True, False):
+        with monkeypatch.context() as patch:
+            if not fused:
+                patch.setattr(rebuilt_input, "_rebuilds_fused", lambda *args: False)
+            samples = rebuilt_input.rebuilt_samples(source, saved, tuple(y.shape))
+            rebuilt.append([samples(0, 2), samples(2, 5), samples(0, 5)])
+    for f, r in zip(*rebuilt, strict=True):
+        assert torch.equal(f.contiguous().view(torch.int32), r.contiguous().view(torch.int32))
+        assert f.stride() == r.stride()
+
+
 def test_the_conv_keeps_no_bytes_of_its_own() -> None:
     """Saved bytes (independent count over storages): exactly the int2 map's less the codes of
     the convs whose inputs are rebuilt; none of them is charged a byte."""
@@ -107,7 +139,7 @@ def test_torchvision_blocks_reuse_one_relu_module() -> None:
     assert len(grads) == 8 and all(g is not None and torch.isfinite(g).all() for g in grads)
 
 
-@pytest.mark.parametrize("norm_storage", ["int4", "native"])
+@pytest.mark.parametrize("norm_storage", ["int4", "native", "chunked"])
 def test_notes_keep_nothing_alive(norm_storage: str) -> None:
     """A note holds weak references (an exact BatchNorm's input: read from its node): once
     backward has freed what the BatchNorm and ReLU keep, the note on a ReLU output the caller

@@ -23,7 +23,7 @@ from lessmem.core.ops.registry import (
     exact_companion_of,
     stored_activation_of,
 )
-from lessmem.core.plan import CompressionPlan
+from lessmem.core.plan import CompressionPlan, check_setting
 from lessmem.core.saved_storage import attach, detach
 from lessmem.core.spec import FROM_NORM, LayerSpec
 from lessmem.core.storage import check_storage
@@ -50,8 +50,9 @@ def compress(
         ``[kh, kw]`` or ``{"kernel": k, "storage": "bf16"|"int8"}``. ``1`` keeps the stock layer
         (bit-identical). ``"from_bn"`` (Conv2d only): the input is not kept but rebuilt in backward
         from what the BatchNorm and ReLU right before the conv keep (``ops.rebuilt_input``): the
-        BatchNorm's input (exact: its ``norm_storage`` native; such BatchNorms become
-        ``NotedBatchNorm2d``, the same op) or its code (lossy ``norm_storage``), and the ReLU's mask.
+        BatchNorm's input (exact: its ``norm_storage`` native, such BatchNorms become
+        ``NotedBatchNorm2d``, the same op; or ``"chunked"``) or its code (lossy ``norm_storage``),
+        and the ReLU's mask.
         Conv2d inputs are pooled k×k; Linear inputs (..., tokens, features) are
         pooled over k tokens (nn.Linear subclasses that keep Linear's forward, timm's Linear and HF
         GPT-2's Conv1D too). Layers reading one tensor share its pooled copy; a Linear whose input
@@ -62,6 +63,9 @@ def compress(
         otherwise they keep the full-size tensors that pooling was meant to drop.
     norm_storage: ``"native"`` (exact), ``"bf16"`` or ``"int8"`` storage for BatchNorm2d inputs,
         globally or as ``{pattern: storage}``. Lossy: the input gradient becomes approximate.
+        ``"chunked"`` (``plan.CHUNKED``) keeps the input as native does, but the backward writes the input
+        gradient in batch slices over the incoming one where it may (no full-size buffers of torch's
+        kernel): exact, the gradients torch's to float rounding, not bit for bit.
     act_storage: the same for GELU / SiLU inputs (transformer MLPs; torch's classes and timm / HF
         classes computing F.gelu / F.silu). Lossy, opt-in.
     saved_storage: the same for every other floating tensor of >= 4096 elements that autograd
@@ -145,7 +149,7 @@ def _storage_choices(
     rules = {"*": storage_rule} if isinstance(storage_rule, str) else dict(storage_rule)
     chosen: dict[str, str] = {}
     for storage in rules.values():
-        check_storage(str(storage))
+        check_setting(option, str(storage))
     for pattern in unmatched(rules, norms):
         if pattern != "*":
             raise ValueError(f"{option} pattern {pattern!r} matches no {kind}; have {norms}")

@@ -22,6 +22,9 @@ from lessmem.core.spec import parse_spec
 from lessmem.core.storage import check_storage
 
 StorageRule = str | Mapping[str, str]  # one storage for every layer it reaches, or {pattern: storage}
+# A norm_storage value besides the storages: the input kept as it is (exact) by lessmem's BatchNorm, whose
+# backward writes the input gradient in batch slices over the incoming one (``ops.batchnorm``)
+CHUNKED = "chunked"
 STORAGE_SETTINGS = ("norm_storage", "act_storage", "saved_storage")
 FILE_SETTINGS = ("exact_companions", *STORAGE_SETTINGS)
 
@@ -33,7 +36,8 @@ class CompressionPlan:
     map: ordered ``{fnmatch pattern on module names: kernel | spec}``, first match wins
         (``lessmem.compress`` documents the values).
     norm_storage / act_storage / saved_storage: BatchNorm2d inputs, GELU / SiLU inputs and every
-        other tensor saved inside the matched modules: one storage or ``{pattern: storage}``.
+        other tensor saved inside the matched modules: one storage or ``{pattern: storage}``
+        (norm_storage also ``CHUNKED``: exact, with a lower backward peak).
     exact_companions: 1-bit ReLU masks, uint8 max-pool indices and recomputed activations (exact).
         ``None`` when made: on whenever the plan compresses anything.
     name, source: the plan's label and where it came from (a file, ``config``, a budget); neither
@@ -57,10 +61,7 @@ class CompressionPlan:
             rule = getattr(self, key)
             rule = str(rule) if isinstance(rule, str) else {str(p): str(s) for p, s in rule.items()}
             for storage in [rule] if isinstance(rule, str) else rule.values():
-                try:
-                    check_storage(storage)
-                except ValueError as e:
-                    raise ValueError(f"{key}: {e}") from None
+                check_setting(key, storage)
             object.__setattr__(self, key, rule)
         if self.exact_companions is None:
             object.__setattr__(self, "exact_companions", self.compresses)
@@ -152,6 +153,18 @@ class CompressionPlan:
                        name=str(name or path.stem), source=str(path))
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from e
+
+
+def check_setting(setting: str, storage: str) -> str:
+    """``storage`` if the storage setting ``setting`` takes it (a storage; for norm_storage also
+    ``CHUNKED``), else a ValueError naming the setting."""
+    if setting == "norm_storage" and storage == CHUNKED:
+        return storage
+    try:
+        return check_storage(storage)
+    except ValueError as e:
+        exact = f", or {CHUNKED!r} (exact, lessmem's sliced backward)" if setting == "norm_storage" else ""
+        raise ValueError(f"{setting}: {e}{exact}") from None
 
 
 def _file_value(value: Any) -> int | str:

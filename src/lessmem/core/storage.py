@@ -258,14 +258,21 @@ def sliceable(meta: TensorMeta, storage: Storage) -> bool:
     return storage == "native" or storage in BFLOAT16 or (len(meta.shape) > 1 and per_sample % GROUP == 0)
 
 
-def unpack_samples(packed: tuple[Tensor, ...] | list[Tensor], storage: Storage, meta: TensorMeta,
-                   start: int, stop: int) -> Tensor:
-    """Samples ``start:stop`` of the tensor ``packed`` stands for (``sliceable`` must hold)."""
+def samples_of(packed: tuple[Tensor, ...] | list[Tensor], storage: Storage, meta: TensorMeta,
+               start: int, stop: int) -> tuple[tuple[Tensor, ...], TensorMeta]:
+    """The packed tensors of samples ``start:stop`` (views; ``sliceable`` must hold) and their meta."""
+    part_meta = meta._replace(shape=(stop - start, *meta.shape[1:]))
     if storage == "native" or storage in BFLOAT16:
-        return unpack_tensor((packed[0][start:stop],), storage, meta)
+        return (packed[0][start:stop],), part_meta
     codes, lo, scale = packed
     groups = lo.numel() // meta.shape[0]
     per_byte = 8 // BITS[storage]
     g0, g1 = start * groups, stop * groups
-    part = (codes[g0 * GROUP // per_byte: g1 * GROUP // per_byte], lo[g0:g1], scale[g0:g1])
-    return unpack_tensor(part, storage, meta._replace(shape=(stop - start, *meta.shape[1:])))
+    return (codes[g0 * GROUP // per_byte: g1 * GROUP // per_byte], lo[g0:g1], scale[g0:g1]), part_meta
+
+
+def unpack_samples(packed: tuple[Tensor, ...] | list[Tensor], storage: Storage, meta: TensorMeta,
+                   start: int, stop: int) -> Tensor:
+    """Samples ``start:stop`` of the tensor ``packed`` stands for (``sliceable`` must hold)."""
+    part, part_meta = samples_of(packed, storage, meta, start, stop)
+    return unpack_tensor(part, storage, part_meta)

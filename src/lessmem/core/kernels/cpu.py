@@ -15,6 +15,11 @@ pool (AVX2 paths for float32 in the AVX2 build):
 - ``quantize_groups`` / ``dequantize_groups``: the b-bit storages of ``storage`` (min, scale,
   noise, rounding and packing per group of 128 in one pass, and back), bit-identical to its
   torch reference; ``round_bf16``: its stochastic bfloat16, bit-identical too.
+- ``normalize_quantize``: BatchNorm's codes of x_hat = (x - mean) * invstd made from x in one
+  pass (no x_hat tensor); ``norm_codes_times_grad`` / ``norm_codes_input_grad``: the batch-norm
+  gradient's elementwise passes read from those codes; ``rebuild_from_norm_codes``: a ``from_bn``
+  conv's input from them and the ReLU mask. Each does the float operations of the torch ops it
+  replaces in their order, so values are bit-identical to them.
 
 Same bit layout as ``ops.masked_activations.pack_bits`` (element i of each group of 8, in memory order,
 in bit i). The C++ lives in ``csrc/``; ``cpu_build`` compiles it the first time a compressed model
@@ -128,3 +133,32 @@ def dequantize_groups(codes: Tensor, lo: Tensor, scale: Tensor, bits: int, out: 
     """The values ``quantize_groups`` stored, written into ``out`` (1-d, contiguous, of the
     original dtype and element count)."""
     return _module.dequantize_groups(codes, lo, scale, bits, out)
+
+
+def normalize_quantize(x: Tensor, mean: Tensor, invstd: Tensor, bits: int, key: int,
+                       stochastic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``quantize_groups`` of (x - mean) * invstd (per channel, in mean's precision), made from a
+    dense 4-d x in one pass: the codes packing that x_hat tensor would give."""
+    return tuple(_module.normalize_quantize(x, mean, invstd, bits, key, stochastic))
+
+
+def norm_codes_times_grad(packed, bits: int, grad: Tensor, out: Tensor) -> Tensor:
+    """x_hat decoded from ``packed`` (codes, min, scale) times ``grad``, into ``out``; float32,
+    both dense in the codes' memory order."""
+    return _module.norm_codes_times_grad(*packed, bits, grad, out)
+
+
+def norm_codes_input_grad(packed, bits: int, grad: Tensor, proj: Tensor, shift: Tensor, factor: Tensor,
+                          out: Tensor) -> Tensor:
+    """(grad - (x_hat * proj + shift)) * factor into ``out`` (which may be ``grad``), x_hat decoded
+    from ``packed``, the others per channel; float32, dense in the codes' memory order."""
+    return _module.norm_codes_input_grad(*packed, bits, grad, proj, shift, factor, out)
+
+
+def rebuild_from_norm_codes(packed, bits: int, mask: Tensor, weight: Tensor, bias: Tensor, lo: float,
+                            hi: float | None, out: Tensor) -> Tensor:
+    """clamp(x_hat * weight + bias, lo, hi) as the pass mask ``mask`` (packed bits) says, into a
+    float32 ``out`` dense in the codes' memory order: 0 off the mask for ReLU (no ``hi``), else
+    the bound on the value's side of the range's middle."""
+    return _module.rebuild_from_norm_codes(*packed, bits, mask, weight, bias, float(lo),
+                                           float(hi if hi is not None else 0.0), hi is not None, out)

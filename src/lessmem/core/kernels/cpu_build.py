@@ -26,8 +26,9 @@ from types import ModuleType
 import torch
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
-SOURCES = ("masks.cpp", "pooling.cpp", "maxpool.cpp", "depthwise.cpp", "quantize.cpp", "bindings.cpp")
-HEADERS = ("lessmem_cpu.h",)
+SOURCES = ("masks.cpp", "pooling.cpp", "maxpool.cpp", "depthwise.cpp", "quantize.cpp", "norm_codes.cpp",
+           "bindings.cpp")
+HEADERS = ("lessmem_cpu.h", "groups.h")
 # -ffp-contract=off: a * b + c stays two roundings (no FMA), as in the torch reference's separate
 # ops, so the kernels' float results are bit-identical to it
 ISA_FLAGS = {

@@ -1,5 +1,6 @@
-"""BatchNorm with a lower-precision copy of its input (approximate, opt-in): the autograd Function,
-its chunked backward, and the swapped-in ``StoredBatchNorm2d``.
+"""BatchNorm with a lower-precision copy of its input (approximate, opt-in), or with its input as it
+is and only the backward changed (``norm_storage="chunked"``, exact): the autograd Functions, their
+chunked backward, and the swapped-in ``StoredBatchNorm2d``.
 
 Integer codes keep the *normalized* input x_hat = (x - mean) * invstd, not x: a code group spans
 several channels (memory order), and in x a low-variance channel gets a few levels of a range set
@@ -13,9 +14,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from lessmem.core.kernels import cpu as cpu_kernels
+from lessmem.core.layout import format_of, is_dense
 from lessmem.core.ops.dispatch import needs_saving
 from lessmem.core.ops.input_notes import NormCode, note, refs, saved_input
 from lessmem.core.ops.owned_grad import grad_target, handed_to, owns
+from lessmem.core.plan import CHUNKED
 from lessmem.core.rounding import next_key
 from lessmem.core.storage import (
     BITS,
@@ -25,6 +29,7 @@ from lessmem.core.storage import (
     is_stochastic,
     pack_codes,
     pack_tensor,
+    samples_of,
     sliceable,
     tensor_meta,
     unpack_samples,
@@ -81,13 +86,29 @@ class StoredBatchNormFunction(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None, None
 
 
+class ChunkedBatchNormFunction(StoredBatchNormFunction):
+    """``StoredBatchNormFunction`` with native storage (``norm_storage="chunked"``): the input kept as
+    it is, exact. Where torch's CPU kernel allocates the input gradient next to the incoming one
+    (twice: its contiguous path allocates it again; 98 MiB each at resnet18's stem, b32), the
+    chunked backward writes it over the incoming one where this node owns it (``owned_grad``: a
+    fresh buffer handed on by the ReLU / max-pool / conv backward after it, read by no one else),
+    a few samples at a time once both per-channel sums are taken; the saved input is only read. Same formulas
+    as torch's kernel, float32 sums in another order: gradients equal to float rounding. Its own
+    node name: coverage reports the input as kept full size."""
+
+
 def pack_normalized(x: Tensor, mean: Tensor, invstd: Tensor, storage: Storage) -> tuple[Tensor, ...]:
     """(codes, min, scale) of (x - mean) * invstd (per channel) in the integer ``storage``.
 
     Where samples start on a code group, x_hat is made and packed ``PACK_ELEMENTS`` at a time and
     copied into place, so neither a full-size x_hat nor a second copy of the codes is alive (this
     runs in forward, where resnet18's step peaks); each slice's noise key is the tensor's plus its
-    offset, so the codes are those of packing x_hat whole."""
+    offset, so the codes are those of packing x_hat whole. The fused CPU kernel makes them from x
+    in one pass, with no x_hat at all."""
+    if _normalizes_fused(x, mean, invstd):
+        stochastic = is_stochastic(storage)
+        return cpu_kernels.normalize_quantize(x, mean, invstd, BITS[storage], next_key() if stochastic else 0,
+                                              stochastic)
     chan = (1, -1) + (1,) * (x.dim() - 2)
     mean, invstd = mean.view(chan), invstd.view(chan)  # float32 for half inputs: so is x_hat
 
@@ -110,6 +131,22 @@ def pack_normalized(x: Tensor, mean: Tensor, invstd: Tensor, storage: Storage) -
     return codes, lo, scale
 
 
+def _normalizes_fused(x: Tensor, mean: Tensor, invstd: Tensor) -> bool:
+    """Whether the fused kernel codes x_hat from this x: eager, 4-d, dense, statistics in x's opmath
+    precision (float32, float64 for double)."""
+    precision = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (x.dim() == 4 and is_dense(x) and mean.dtype == invstd.dtype == precision and mean.is_contiguous()
+            and invstd.is_contiguous() and cpu_kernels.enabled_for(x))
+
+
+def _codes_backward_fused(grad: Tensor, meta: TensorMeta, weight: Tensor) -> bool:
+    """Whether the fused kernels take the backward passes over x_hat's codes: float32 throughout,
+    the gradient laid out as the codes."""
+    layout = torch.channels_last if meta.channels_last else torch.contiguous_format
+    return (meta.dtype == grad.dtype == weight.dtype == torch.float32 and grad.is_contiguous(memory_format=layout)
+            and cpu_kernels.enabled_for(grad))
+
+
 def chunked_batch_norm_backward(grad: Tensor, packed, storage: Storage, meta: TensorMeta, weight: Tensor,
                                 mean: Tensor, invstd: Tensor, mask: list[bool], inplace: bool,
                                 normalized: bool = False):
@@ -129,25 +166,41 @@ def chunked_batch_norm_backward(grad: Tensor, packed, storage: Storage, meta: Te
         x = unpack_samples(packed, storage, meta, s, min(n, s + step))
         return x if normalized else _centered(x, mean.view(chan), packed)
 
+    # the codes' passes fused (x_hat decoded in cache, each product in the torch ops' order)
+    fused = normalized and _codes_backward_fused(grad, meta, weight)
+    gx = None if not mask[0] else grad if inplace else torch.empty_like(grad)
+
+    def times_grad(s: int) -> Tensor:
+        if not fused:
+            return centered(s).mul_(grad[s: s + step])
+        part, part_meta = samples_of(packed, storage, meta, s, min(n, s + step))
+        # into the input gradient's own buffer where there is one (written anyway: no fresh pages)
+        out = (gx[s: s + step] if gx is not None and gx is not grad else
+               torch.empty(part_meta.shape, dtype=grad.dtype, memory_format=format_of(grad)))
+        return cpu_kernels.norm_codes_times_grad(part, BITS[storage], grad[s: s + step], out)
+
     dot = torch.zeros_like(sum_dy)  # sum of grad * centered
     for s in range(0, n, step):
-        dot += (centered(s).mul_(grad[s: s + step])).sum((0, 2, 3), dtype=torch.float32)
+        dot += times_grad(s).sum((0, 2, 3), dtype=torch.float32)
     gw = (dot * unit).to(weight.dtype) if mask[1] else None
     gb = sum_dy.to(weight.dtype) if mask[2] else None
-    if not mask[0]:
+    if gx is None:
         return None, gw, gb
-    proj = (dot * unit * unit / count).view(chan)
-    shift = (sum_dy / count).view(chan)
-    scale = (invstd * weight).view(chan)
-    gx = grad if inplace else torch.empty_like(grad)
+    proj = dot * unit * unit / count
+    shift = sum_dy / count
+    scale = invstd * weight
     for s in range(0, n, step):
-        x = centered(s).mul_(proj).add_(shift)
         part = gx[s: s + step]
+        if fused:
+            codes = samples_of(packed, storage, meta, s, min(n, s + step))[0]
+            cpu_kernels.norm_codes_input_grad(codes, BITS[storage], grad[s: s + step], proj, shift, scale, part)
+            continue
+        x = centered(s).mul_(proj.view(chan)).add_(shift.view(chan))
         if inplace:
             part.sub_(x)
         else:
             torch.sub(grad[s: s + step], x, out=part)
-        part.mul_(scale)
+        part.mul_(scale.view(chan))
     return gx, gw, gb
 
 
@@ -165,6 +218,12 @@ def _keeps_batch_stats(module: nn.BatchNorm2d, x: Tensor) -> bool:
     return module.training and needs_saving(x, module) and module.affine and module.track_running_stats
 
 
+def _runs_eagerly(x: Tensor) -> bool:
+    """Neither traced nor under autocast: where the exact lessmem BatchNorms take over (else stock's
+    forward; a compiled graph plans its own buffers, and autocast would save an fp32 copy)."""
+    return not torch.compiler.is_compiling() and not torch.is_autocast_enabled(x.device.type)
+
+
 def _count_batch(module: nn.BatchNorm2d, x: Tensor) -> float:
     """What ``nn.BatchNorm2d.forward`` does before its kernel: check the input, count the batch;
     returns the running statistics' momentum."""
@@ -180,7 +239,7 @@ class NotedBatchNorm2d(nn.BatchNorm2d):
     ``from_bn`` leaves exact."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if not _keeps_batch_stats(self, x) or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
+        if not _keeps_batch_stats(self, x) or not _runs_eagerly(x):
             return super().forward(x)
         momentum = _count_batch(self, x)
         out, mean, invstd = torch.ops.aten.native_batch_norm(
@@ -191,12 +250,14 @@ class NotedBatchNorm2d(nn.BatchNorm2d):
 
 
 class StoredBatchNorm2d(nn.BatchNorm2d):
-    """BatchNorm2d that keeps its input in ``lessmem_storage`` (bf16 / int8) — approximate."""
+    """BatchNorm2d that keeps its input in ``lessmem_storage`` (bf16 / int8) — approximate; or, for
+    ``CHUNKED``, as it is with the chunked backward (``ChunkedBatchNormFunction``) — exact."""
 
-    lessmem_storage: Storage
+    lessmem_storage: Storage | str
 
     def forward(self, x: Tensor) -> Tensor:
-        if not _keeps_batch_stats(self, x):
+        chunked = self.lessmem_storage == CHUNKED
+        if not _keeps_batch_stats(self, x) or (chunked and not _runs_eagerly(x)):
             return super().forward(x)
         momentum = _count_batch(self, x)
         x_in = x
@@ -204,9 +265,9 @@ class StoredBatchNorm2d(nn.BatchNorm2d):
         if torch.is_autocast_enabled(device):
             x_in = x.float()  # autocast runs batch norm in fp32
         with torch.autocast(device, enabled=False):
-            out = StoredBatchNormFunction.apply(
+            out = (ChunkedBatchNormFunction if chunked else StoredBatchNormFunction).apply(
                 x_in, self.weight, self.bias, self.running_mean, self.running_var,
-                momentum, self.eps, self.lessmem_storage,
+                momentum, self.eps, "native" if chunked else self.lessmem_storage,
             )
         if not torch.compiler.is_compiling():  # a traced output has no node to read the code from
             note(out, out.grad_fn.code)

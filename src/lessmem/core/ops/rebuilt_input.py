@@ -18,10 +18,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from lessmem.core.kernels import cpu as cpu_kernels
 from lessmem.core.ops.input_notes import ClampOfNorm, noted
 from lessmem.core.ops.masked_activations import unpack_bits
 from lessmem.core.spec import FROM_NORM
-from lessmem.core.storage import sliceable, unpack_samples, unpack_tensor
+from lessmem.core.storage import BITS, samples_of, sliceable, unpack_samples, unpack_tensor
 
 
 def claim(x: Tensor, layer: str) -> tuple[ClampOfNorm, tuple[Tensor, ...]]:
@@ -62,12 +63,33 @@ def rebuilt_samples(source: ClampOfNorm, saved: tuple[Tensor, ...], shape: tuple
         bound = torch.where(z > (source.lo + source.hi) / 2, source.hi, source.lo)
         return torch.where(mask, z, bound).to(norm.meta.dtype)
 
+    def rebuilt_fused(part: tuple[Tensor, ...], mask: Tensor, size: tuple[int, ...]) -> Tensor:
+        out = torch.empty(size, dtype=torch.float32,
+                          memory_format=torch.channels_last if norm.meta.channels_last else torch.contiguous_format)
+        return cpu_kernels.rebuild_from_norm_codes(part, BITS[norm.storage], mask, weight, bias, source.lo,
+                                                   source.hi, out)
+
+    fused = _rebuilds_fused(source, weight, bias)  # one pass from the codes and the mask bits
     if sliceable(norm.meta, norm.storage) and per_sample % 8 == 0:
+        if fused:
+            return lambda start, stop: rebuilt_fused(
+                samples_of(packed, norm.storage, norm.meta, start, stop)[0], bits[start * per_sample // 8:],
+                (stop - start, *shape[1:]))
         return lambda start, stop: rebuilt(
             unpack_samples(packed, norm.storage, norm.meta, start, stop),
             _unpacked(bits[start * per_sample // 8: stop * per_sample // 8], source.channels_last, (stop - start, *shape[1:])))
-    whole = rebuilt(unpack_tensor(packed, norm.storage, norm.meta), _unpacked(bits, source.channels_last, shape))
+    whole = (rebuilt_fused(tuple(packed), bits, shape) if fused else
+             rebuilt(unpack_tensor(packed, norm.storage, norm.meta), _unpacked(bits, source.channels_last, shape)))
     return lambda start, stop: whole[start:stop]
+
+
+def _rebuilds_fused(source: ClampOfNorm, weight: Tensor, bias: Tensor) -> bool:
+    """Whether the fused kernel rebuilds the input: integer codes of x_hat, float32, the mask packed
+    in the codes' memory order."""
+    norm = source.norm
+    return (norm.normalized and norm.meta.dtype == weight.dtype == bias.dtype == torch.float32
+            and source.channels_last == norm.meta.channels_last and len(norm.meta.shape) == 4
+            and cpu_kernels.enabled_for(weight))
 
 
 def _unpacked(bits: Tensor, channels_last: bool, shape: tuple[int, ...]) -> Tensor:

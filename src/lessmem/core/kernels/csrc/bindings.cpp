@@ -13,4 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_groups", &quantize_groups, "b-bit codes, min and scale of each group of 128 elements");
   m.def("round_bf16", &round_bf16, "bfloat16 of x, rounded stochastically with the hash noise");
   m.def("dequantize_groups", &dequantize_groups, "the values quantize_groups stored, into out");
+  m.def("normalize_quantize", &normalize_quantize, "group codes of (x - mean) * invstd per channel");
+  m.def("norm_codes_times_grad", &norm_codes_times_grad, "decoded x_hat times grad, into out");
+  m.def("norm_codes_input_grad", &norm_codes_input_grad, "batch-norm input gradient from x_hat's codes, into out");
+  m.def("rebuild_from_norm_codes", &rebuild_from_norm_codes, "a from_bn conv input from x_hat's codes and a mask");
 }

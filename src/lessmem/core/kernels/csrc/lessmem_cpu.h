@@ -30,3 +30,14 @@ at::Tensor max_pool_compact_backward(at::Tensor grad, at::Tensor local, int64_t 
 std::vector<at::Tensor> quantize_groups(at::Tensor x, int64_t bits, int64_t key, bool stochastic);
 at::Tensor round_bf16(at::Tensor x, int64_t key);
 at::Tensor dequantize_groups(at::Tensor codes, at::Tensor lo, at::Tensor scale, int64_t bits, at::Tensor out);
+
+// norm_codes.cpp
+std::vector<at::Tensor> normalize_quantize(at::Tensor x, at::Tensor mean, at::Tensor invstd, int64_t bits,
+                                           int64_t key, bool stochastic);
+at::Tensor norm_codes_times_grad(at::Tensor codes, at::Tensor lo, at::Tensor scale, int64_t bits, at::Tensor grad,
+                                 at::Tensor out);
+at::Tensor norm_codes_input_grad(at::Tensor codes, at::Tensor lo, at::Tensor scale, int64_t bits, at::Tensor grad,
+                                 at::Tensor proj, at::Tensor shift, at::Tensor factor, at::Tensor out);
+at::Tensor rebuild_from_norm_codes(at::Tensor codes, at::Tensor lo, at::Tensor scale, int64_t bits, at::Tensor mask,
+                                   at::Tensor weight, at::Tensor bias, double low, double high, bool has_hi,
+                                   at::Tensor out);
