@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import resource
 import statistics
 import time
 
@@ -42,6 +43,11 @@ from lessmem.core.storage import STORAGES
 from lessmem.experiment.compression import parse_map_string
 
 VOCAB = 256  # token ids of the causal-LM models (--seq)
+CLOCKS = {
+    "wall": time.perf_counter,
+    "cpu": time.process_time,
+    "user": lambda: resource.getrusage(resource.RUSAGE_SELF).ru_utime,
+}
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
@@ -80,10 +86,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                         help="wall: elapsed time; cpu: this process's CPU time (all its threads), which "
                              "other processes on a shared CPU disturb far less (use with --threads 1: "
-                             "idle OpenMP threads spin, and that counts too)")
+                             "idle OpenMP threads spin, and that counts too); user: its user time only, "
+                             "without the kernel's (page faults, whose count swings between runs on a VM "
+                             "that reclaims memory)")
     parser.add_argument("--compile", action="store_true", help="torch.compile stock and compressed models")
     parser.add_argument("--channels-last", action="store_true", help="NHWC model and input (oneDNN)")
     parser.add_argument("--profile", default=None, metavar="CONFIG",
@@ -116,7 +124,7 @@ def main() -> None:
         x = torch.randn(args.batch, 3, args.size, args.size).contiguous(memory_format=fmt)
         y = torch.randint(0, 10, (args.batch,))
 
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    clock = CLOCKS[args.clock]
     times: dict[str, list[float]] = {n: [] for n in models}
     for i in range(args.warmup + args.repeats):
         for name, model in models.items():  # alternate configurations every step

@@ -82,7 +82,7 @@ def test_speed_benchmark_times_a_map_file_with_its_storages(tmp_path: Path, stdo
     plan = tmp_path / "small.yaml"
     plan.write_text("name: small\nmap:\n  layer1.*.conv2: from_bn\n  '*': int2\nnorm_storage: int4\n")
     out = stdout_of("speed.py", "--model", "resnet18", "--size", "32", "--batch", "2", "--map-file", str(plan),
-                    "--repeats", "1", "--warmup", "1")
+                    "--repeats", "1", "--warmup", "1", "--clock", "user")
     rows = re.findall(r"^\| (\S+) \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", out, re.M)
     assert rows == ["stock", "small"], out  # no default kernels beside a map file
     status, _, err = bench("speed.py", "--map-file", str(tmp_path / "missing.yaml"))
