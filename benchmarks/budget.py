@@ -15,6 +15,13 @@ measured step against the profile's prediction (the peak model before any verifi
     python benchmarks/budget.py --model tiny_llama --batch 8 --seq-len 256 --csv docs/results/budget_tiny_llama.csv
     python benchmarks/budget.py --model resnet20 --batch 64 --plan 40MiB --plot docs/results/budget_plan.png
     python benchmarks/budget.py --model resnet20 --image-size 32 --batch 64 --curve 11
+
+Exact view (``--exact F [F ...]``, issue 44): at each fraction F of stock's whole-step peak,
+``lessmem.fit(fidelity="exact")`` (measured peak, step time over stock's from the fit's alternating
+steps, the largest relative gradient difference to stock's on one step) beside
+``torch.utils.checkpoint`` on every block (peak, step time ratio, timed alternating with stock):
+
+    python benchmarks/budget.py --model resnet18 --image-size 224 --batch 32 --exact 0.9 0.8 0.7 0.6 0.55
 """
 
 from __future__ import annotations
@@ -110,11 +117,14 @@ def main() -> None:
     p.add_argument("--fresh-all", action="store_true", help="time a fresh-cache choice at every budget")
     p.add_argument("--plan", help="a budget (e.g. 6GiB): the planning view instead")
     p.add_argument("--curve", type=int, default=0, help="N maps' measured peaks against the profile's prediction instead")
+    p.add_argument("--exact", type=float, nargs="+", help="fractions of stock's peak: the exact view instead")
     p.add_argument("--csv")
     p.add_argument("--plot")
     args = p.parse_args()
     torch.set_num_threads(1)
     model, batch, loss_fn = setup(args)
+    if args.exact:
+        return exact(model, batch, loss_fn, args)
     os.environ["LESSMEM_CACHE"] = tempfile.mkdtemp()  # a fresh cache: the profile's cost is measured
     start = time.perf_counter()
     profile = budget_profile(model, batch, optimizer=sgd, loss_fn=loss_fn)
@@ -183,6 +193,64 @@ def main() -> None:
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
+
+
+def grads_of(model: nn.Module, batch, loss_fn) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model.zero_grad(set_to_none=True)
+    loss_fn(model(batch[0]), batch[1]).backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def max_relative_error(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """The largest elementwise difference to stock's gradient, over each tensor's largest magnitude."""
+    return max(float((g - r).abs().max() / r.abs().max().clamp_min(1e-30)) for g, r in zip(grads, reference, strict=True))
+
+
+def alternating_ratio(model: nn.Module, other: nn.Module, batch, loss_fn, steps: int) -> float:
+    """The median step time of ``other`` over ``model``'s, their steps alternating (one untimed each first)."""
+    times: dict[int, list[float]] = {0: [], 1: []}
+    opts = [sgd(model.parameters()), sgd(other.parameters())]
+    for i in range(steps + 1):
+        for k, net in enumerate((model, other)):
+            start = time.perf_counter()
+            training_step(net, batch, opts[k], loss_fn)
+            if i:
+                times[k].append(time.perf_counter() - start)
+    return sorted(times[1])[len(times[1]) // 2] / sorted(times[0])[len(times[0]) // 2]
+
+
+def exact(model: nn.Module, batch, loss_fn, args: argparse.Namespace) -> None:
+    os.environ["LESSMEM_CACHE"] = tempfile.mkdtemp()
+    stock_peak = peak(copy.deepcopy(model).train(), batch, loss_fn)
+    reference = grads_of(copy.deepcopy(model).train(), batch, loss_fn)
+    ck = checkpointed(model).train()
+    ck_peak = peak(ck, batch, loss_fn)
+    ck_ratio = alternating_ratio(copy.deepcopy(model).train(), ck, batch, loss_fn, args.steps)
+    print(f"{args.model} b{args.batch}: stock peak {stock_peak / MIB:.1f} MiB; checkpoint every block "
+          f"({len(blocks(model))}): peak {ck_peak / MIB:.1f} MiB = {ck_peak / stock_peak:.3f}x, step {ck_ratio:.2f}x stock",
+          flush=True)
+    rows = []
+    for fraction in args.exact:
+        budget = int(fraction * stock_peak)
+        row: dict = {"fraction": fraction, "budget_mib": budget / MIB, "stock_peak_mib": stock_peak / MIB,
+                     "checkpoint_peak_ratio": ck_peak / stock_peak, "checkpoint_step_ratio": ck_ratio}
+        try:
+            fitted = lessmem.fit(model, batch, budget, optimizer=sgd, loss_fn=loss_fn, fidelity="exact")
+        except lessmem.sensitivity.NoFit as e:
+            row["exact"] = str(e)
+        else:
+            net = lessmem.compress(copy.deepcopy(model).train(), fitted.plan)
+            row.update(exact_peak_ratio=fitted.step_peak_bytes / stock_peak, exact_step_ratio=fitted.step_time_ratio,
+                       exact_max_rel_grad_error=max_relative_error(grads_of(net, batch, loss_fn), reference),
+                       recomputed=len(fitted.plan.recompute), floor_ratio=fitted.floor_step_peak_bytes / stock_peak)
+        rows.append(row)
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+            writer.writeheader()
+            writer.writerows(rows)
 
 
 def curve(model: nn.Module, batch, loss_fn, profile, args: argparse.Namespace) -> None:

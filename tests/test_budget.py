@@ -140,7 +140,7 @@ def test_plan_cli_writes_rows_table_and_plot(run_cli, tiny, tmp_path: Path, monk
     monkeypatch.chdir(cwd)
     result = run_cli(main, "lessmem-plan", *tiny, f"hydra.run.dir={out}", "memory_budget=64MiB", "plan.factors=[1,2,8]")
     assert result.status == 0, result.stderr
-    assert not list(cwd.iterdir())  # everything in Hydra's run dir, as test_cli_run_dir.py checks for the others
+    assert not list(cwd.iterdir())  # everything in Hydra's run dir, as test_cli.py checks for the others
     assert {".hydra", "plan.log", "plan.csv", "plan.json", "plan.png"} <= {p.name for p in out.iterdir()}
     plan = json.loads((out / "plan.json").read_text())
     rows = plan["rows"]
@@ -154,3 +154,32 @@ def test_plan_cli_writes_rows_table_and_plot(run_cli, tiny, tmp_path: Path, monk
     assert len((out / "plan.csv").read_text().splitlines()) == 1 + 3
     missing = run_cli(main, "lessmem-plan", *tiny, f"out_dir={tmp_path / 'none'}")
     assert missing.is_one_error("lessmem-plan", "needs memory_budget")
+
+
+def test_exact_fit_keeps_stock_gradients_within_the_budget(setup) -> None:
+    """fidelity="exact": a plan of exact options only (recomputed blocks among them) whose measured
+    peak fits; compressed with it, the model's gradients are stock's to float rounding."""
+    model, batch, stock = setup
+    fitted = lessmem.fit(model, batch, int(0.75 * stock), optimizer=sgd, fidelity="exact")
+    assert fitted.fidelity == "exact" and fitted.plan.lossless and fitted.plan.recompute
+    assert fitted.step_peak_bytes <= 0.75 * stock and fitted.floor_step_peak_bytes <= fitted.step_peak_bytes
+    assert fitted.step_time_ratio > 0 and fitted.record()["budget_fidelity"] == "exact"
+    grads = []
+    for net in (copy.deepcopy(model), lessmem.compress(copy.deepcopy(model), fitted.plan)):
+        torch.manual_seed(0)
+        torch.nn.functional.cross_entropy(net(batch[0]), batch[1]).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in net.parameters()]))
+    assert torch.allclose(grads[1], grads[0], rtol=1e-5, atol=1e-5 * grads[0].abs().max().item())
+
+
+def test_exact_fit_below_the_floor_and_bad_fidelity(setup) -> None:
+    model, batch, stock = setup
+    with pytest.raises(NoFit, match=r"no exact plan fits .*exact floor .* peaks at .*(largest batch|not even one)"):
+        lessmem.fit(model, batch, int(0.2 * stock), optimizer=sgd, fidelity="exact")
+    with pytest.raises(ValueError, match="fidelity 'precise': choose one of exact, lossy, auto"):
+        lessmem.fit(model, batch, stock, optimizer=sgd, fidelity="precise")
+
+
+def test_train_bad_fidelity_is_one_line(run_cli, tiny, tmp_path: Path) -> None:
+    result = run_cli(train_main, "lessmem-train", *tiny, f"out_dir={tmp_path}", "memory_budget=64MiB", "fidelity=precise")
+    assert result.is_one_error("lessmem-train", "fidelity=precise: choose one of exact, lossy, auto")

@@ -637,3 +637,90 @@ def test_linear_subclasses_are_swapped_only_with_linears_forward():
     assert list(lessmem.compressed_layers(model)) == ["0"]
     lessmem.uncompress(model)
     assert [type(m) for m in model] == [SameForward, OwnForward]
+
+
+class _DroppedBlock(nn.Module):
+    """A block with dropout after it: its rerun must draw the same mask."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner, self.drop = inner, nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.inner(x))
+
+
+def _step_results(model: nn.Module, x: torch.Tensor) -> tuple[dict, dict]:
+    torch.manual_seed(1)
+    model.zero_grad()
+    model(x).square().mean().backward()
+    return ({n: p.grad.clone() for n, p in model.named_parameters()},
+            {n: b.clone() for n, b in model.named_buffers()})
+
+
+@pytest.mark.parametrize("plan", [
+    lessmem.CompressionPlan(recompute=("layer*.*",)),
+    lessmem.CompressionPlan({"layer*.conv2": "from_bn"},
+                            norm_storage="chunked", recompute=("layer3.*", "layer4")),
+], ids=["blocks", "with_from_bn"])
+def test_recomputed_regions_are_stock_bit_for_bit(plan: lessmem.CompressionPlan) -> None:
+    """Recomputed blocks (dropout inside one: torch's RNG restored) give stock's gradients and
+    BatchNorm statistics (updated once, not again by the rerun) and keep fewer bytes; uncompress
+    restores the forward."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    model.layer1[0] = _DroppedBlock(model.layer1[0])
+    x = torch.randn(4, 3, 32, 32)
+    stock, recomputed = copy.deepcopy(model), lessmem.compress(copy.deepcopy(model), plan)
+    assert set(lessmem.core.recomputed_modules(recomputed)) <= {n for n, _ in model.named_modules() if n.startswith("layer")}
+    grads, buffers = _step_results(stock, x)
+    grads_r, buffers_r = _step_results(recomputed, x)
+    tolerance = 0.0 if plan.norm_storage == "native" else 1e-5
+    for name, g in grads.items():
+        assert torch.allclose(grads_r[name], g, rtol=tolerance, atol=tolerance * g.abs().max().item()), name
+    for name, b in buffers.items():
+        assert torch.equal(buffers_r[name], b), name
+    assert lessmem.measure_memory(recomputed, x).total_bytes < 0.6 * lessmem.measure_memory(stock, x).total_bytes
+    lessmem.uncompress(recomputed)
+    assert not lessmem.core.recomputed_modules(recomputed)
+
+
+class _InPlaceInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x.mul_(2))
+
+
+class _OutsideRng(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1  # state outside torch's RNG: the rerun computes something else
+        return self.lin(x) * self.calls
+
+
+@pytest.mark.parametrize(("module", "message"), [(_InPlaceInput, "modifies its input in place"),
+                                                 (_OutsideRng, "different output when rerun")])
+def test_recompute_refuses_a_module_that_cannot_rerun(module: type[nn.Module], message: str) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), module(), nn.Linear(8, 2))
+    lessmem.compress(model, lessmem.CompressionPlan(recompute=("1",)))
+    with pytest.raises(RuntimeError, match=rf"module '1' .*{message}"):
+        model(torch.randn(4, 8)).sum().backward()
+
+
+def test_recompute_patterns_are_checked() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    with pytest.raises(ValueError, match="recompute pattern 'blocks.*' matches no module name"):
+        lessmem.compress(model, lessmem.CompressionPlan(recompute=("blocks.*",)))
+    with pytest.raises(ValueError, match="the model itself"):
+        lessmem.CompressionPlan(recompute=("",))
+    plan = lessmem.CompressionPlan({"layer1.*": "from_bn"}, norm_storage="chunked", recompute=("layer2.*",))
+    assert plan.lossless and plan.compresses and plan.digest != plan.replace(recompute=()).digest
+    assert lessmem.CompressionPlan.from_dict(plan.to_dict()) == plan
+    assert not plan.replace(norm_storage="int8").lossless

@@ -34,10 +34,19 @@ PROG = "lessmem-plan"
 def _plan(cfg: DictConfig) -> None:
     cfg.out_dir = HydraConfig.get().runtime.output_dir  # out_dir= only names the run dir's default (plan.yaml)
     with job_errors(PROG):
-        spec, budget, rows = plan_for_config(cfg, tuple(float(f) for f in cfg.plan.factors))
+        spec, budget, rows, fitted = plan_for_config(cfg, tuple(float(f) for f in cfg.plan.factors))
     records = [dataclasses.asdict(r) for r in rows]
     title = f"{cfg.model.name}: memory_budget={spec.memory_budget} ({budget / MiB:.1f} MiB)"
     print(title)
+    out = spec.out_dir
+    if fitted is not None:
+        ratio = "" if fitted.step_time_ratio is None else f", step time {fitted.step_time_ratio:.2f}x stock's"
+        recomputed = ", ".join(fitted.plan.recompute) or "none"
+        print(f"fidelity={spec.fidelity} at batch {fitted.batch_size}: {fitted.fidelity} plan {fitted.plan.label} "
+              f"(recomputed: {recomputed}), whole-step peak {fitted.step_peak_bytes / MiB:.1f} MiB measured "
+              f"({fitted.step_peak_bytes / budget:.3f} of the budget){ratio}")
+        fitted.plan.write(out / f"{fitted.plan.name}.yaml", comment=f"lessmem-plan fidelity={spec.fidelity}")
+    print("lossy maps by batch size (predicted):")
     print("| batch | fits | predicted peak MiB | of budget | predicted grad error | cosine |")
     print("|---:|---|---:|---:|---:|---:|")
     for r in rows:
@@ -45,13 +54,14 @@ def _plan(cfg: DictConfig) -> None:
         cos = "" if r.cosine is None else f"{r.cosine:.5f}"
         print(f"| {r.batch_size} | {'yes' if r.fits else 'no'} | {r.predicted_peak_bytes / MiB:.1f} | "
               f"{r.predicted_peak_bytes / budget:.3f} | {err} | {cos} |")
-    out = spec.out_dir
     with open(out / "plan.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(records[0]))
         writer.writeheader()
         writer.writerows(records)
     (out / "plan.json").write_text(json.dumps({"memory_budget": spec.memory_budget, "memory_budget_bytes": budget,
-                                               "model": cfg.model.name, "rows": records}, indent=1))
+                                               "model": cfg.model.name, "rows": records,
+                                               **({"fit": fitted.record() | {"plan": fitted.plan.to_dict()}}
+                                                  if fitted is not None else {})}, indent=1))
     plot_batch_plan(records, budget, out / "plan.png", title)
     print(f"wrote {out / 'plan.csv'}, plan.json, plan.png")
 

@@ -22,6 +22,7 @@ from lessmem.core.mapping import compressible_layers, first_match, resolve_mappi
 from lessmem.core.memory import MemoryReport, measure_memory
 from lessmem.core.ops.dispatch import kept_by_graph
 from lessmem.core.ops.pooling import expand_blocks, expand_tokens, pool_blocks, pool_tokens
+from lessmem.core.ops.recomputed_region import recomputed_modules
 from lessmem.core.ops.registry import pools_tokens
 from lessmem.core.plan import STORAGE_SETTINGS, CompressionPlan, StorageRule
 from lessmem.core.rounding import load_rounding_state, rounding_state, set_rounding_seed
@@ -81,6 +82,7 @@ __all__ = [
     "rounding_state",
     "set_rounding_seed",
     "rebuildable_convs",
+    "recomputed_modules",
     "storable_layers",
     "stored_bytes",
     "tensor_meta",

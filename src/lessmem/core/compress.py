@@ -4,7 +4,7 @@ the swapped modules keep their parameters, so ``state_dict`` keys never change."
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from lessmem.core.ops import custom_ops  # noqa: F401  (registers torch.ops.less
 from lessmem.core.ops.conv import CompressedConv2d
 from lessmem.core.ops.dispatch import ORIGINAL_CLASS_ATTR
 from lessmem.core.ops.input_notes import ClampOfNorm, noted
+from lessmem.core.ops.recomputed_region import RecomputedForward
 from lessmem.core.ops.registry import (
     NOTED_NORMS,
     STOCK_OF,
@@ -43,6 +44,7 @@ def compress(
     norm_storage: str | Mapping[str, str] = "native",
     act_storage: str | Mapping[str, str] = "native",
     saved_storage: str | Mapping[str, str] = "native",
+    recompute: Sequence[str] = (),
 ) -> nn.Module:
     """Compress ``model`` in place and return it.
 
@@ -73,22 +75,32 @@ def compress(
         attention's q, k, v and output, elementwise products (``core.saved_storage``). Nested
         matches: the innermost module's rule wins. Parameters and what lessmem's own layers
         store are left alone. Lossy, opt-in: every gradient upstream becomes approximate.
+    recompute: module-name patterns of regions (a block, any module) that keep only their inputs and
+        rerun their forward in backward, torch's RNG state restored (``ops.recomputed_region``).
+        Exact. A recomputed region runs stock inside (it keeps nothing there: compressing would only
+        slow its rerun), whatever the map and storages say of its modules.
     A ``CompressionPlan`` (what every chooser returns: the menu, ``lessmem.fit``, a run's config) as
     ``mapping`` brings its own map and every setting; the keyword settings must then stay default.
     A plan that does not fit the model is a ValueError naming the layer or pattern.
     """
     if isinstance(mapping, CompressionPlan):
         given = {"exact_companions": exact_companions, "norm_storage": norm_storage,
-                 "act_storage": act_storage, "saved_storage": saved_storage}
-        ignored = [k for k, v in given.items() if v != (True if k == "exact_companions" else "native")]
+                 "act_storage": act_storage, "saved_storage": saved_storage, "recompute": recompute}
+        defaults = {"exact_companions": True, "recompute": ()}
+        ignored = [k for k, v in given.items() if v != defaults.get(k, "native")]
         if ignored:
             raise ValueError(f"compress(model, plan) takes every setting from the plan; drop {ignored} "
                              "or pass plan.replace(...)")
         return compress(model, dict(mapping.map), exact_companions=bool(mapping.exact_companions),
                         norm_storage=mapping.norm_storage, act_storage=mapping.act_storage,
-                        saved_storage=mapping.saved_storage)
+                        saved_storage=mapping.saved_storage, recompute=mapping.recompute)
     uncompress(model)
-    specs = resolve_mapping(model, mapping)
+    regions = _recomputed_regions(model, recompute)
+
+    def inside(name: str) -> bool:  # a recomputed region keeps nothing: it runs stock inside
+        return any(name == r or name.startswith(f"{r}.") for r in regions)
+
+    specs = {n: s for n, s in resolve_mapping(model, mapping).items() if not inside(n)}
     for name, spec in specs.items():
         module = model.get_submodule(name)
         if spec.exact:
@@ -108,21 +120,43 @@ def compress(
         module.lessmem_spec = spec
         module.lessmem_name = name
     if exact_companions:
-        for module in model.modules():
-            companion = exact_companion_of(module)
+        for name, module in model.named_modules():
+            companion = None if inside(name) else exact_companion_of(module)
             if companion is not None:
                 _swap(module, companion)
     for option, rule in (("norm_storage", norm_storage), ("act_storage", act_storage)):
         stored_class_of, kind = _STORED_LAYERS[option]
         for name, storage in _storage_choices(model, rule, stored_class_of, option, kind).items():
+            if inside(name):
+                continue
             module = model.get_submodule(name)
             _swap(module, stored_class_of(module))
             module.lessmem_storage = storage
     if any(spec.storage == FROM_NORM for spec in specs.values()):
         _note_exact_norms(model)
     for name, (storage, in_layer) in _saved_storage_choices(model, saved_storage).items():
-        attach(model.get_submodule(name), storage, in_layer=in_layer, is_model=not name)
+        if not inside(name):
+            attach(model.get_submodule(name), storage, in_layer=in_layer, is_model=not name)
+    for name in regions:
+        module = model.get_submodule(name)
+        module.forward = RecomputedForward(module, name)
     return model
+
+
+def _recomputed_regions(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """The outermost modules matched by ``patterns`` (the model itself never)."""
+    if isinstance(patterns, str):
+        raise ValueError(f"recompute: a list of module-name patterns, not the string {patterns!r}")
+    names = [n for n, _ in model.named_modules() if n]
+    for pattern in unmatched(patterns, names):
+        listed = ", ".join(repr(n) for n in names[:8])
+        raise ValueError(f"recompute pattern {pattern!r} matches no module name; have {listed}, ... "
+                         f"({len(names)} modules)")
+    chosen: list[str] = []
+    for name in names:
+        if first_match(name, patterns) is not None and not any(name.startswith(f"{c}.") for c in chosen):
+            chosen.append(name)
+    return chosen
 
 
 def _stored_norm_of(module: nn.Module) -> type[nn.Module] | None:
@@ -237,6 +271,11 @@ def uncompress(model: nn.Module) -> nn.Module:
     place); returns ``model``."""
     for module in model.modules():
         detach(module)
+        recomputed = module.__dict__.get("forward")
+        if isinstance(recomputed, RecomputedForward):
+            del module.forward
+            if recomputed.replaced is not None:
+                module.forward = recomputed.replaced
         original = module.__dict__.pop(ORIGINAL_CLASS_ATTR, None)
         if original is None and type(module) in STOCK_OF:
             original = STOCK_OF[type(module)]

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from lessmem.core.spec import parse_spec
+from lessmem.core.spec import FROM_NORM, parse_spec
 from lessmem.core.storage import check_storage
 
 StorageRule = str | Mapping[str, str]  # one storage for every layer it reaches, or {pattern: storage}
@@ -26,7 +26,7 @@ StorageRule = str | Mapping[str, str]  # one storage for every layer it reaches,
 # backward writes the input gradient in batch slices over the incoming one (``ops.batchnorm``)
 CHUNKED = "chunked"
 STORAGE_SETTINGS = ("norm_storage", "act_storage", "saved_storage")
-FILE_SETTINGS = ("exact_companions", *STORAGE_SETTINGS)
+FILE_SETTINGS = ("exact_companions", *STORAGE_SETTINGS, "recompute")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,8 @@ class CompressionPlan:
         (norm_storage also ``CHUNKED``: exact, with a lower backward peak).
     exact_companions: 1-bit ReLU masks, uint8 max-pool indices and recomputed activations (exact).
         ``None`` when made: on whenever the plan compresses anything.
+    recompute: module-name patterns of regions that keep only their inputs and rerun their forward
+        in backward (``ops.recomputed_region``; exact). A module inside a matched one is its region's.
     name, source: the plan's label and where it came from (a file, ``config``, a budget); neither
         enters the digest.
     """
@@ -49,6 +51,7 @@ class CompressionPlan:
     act_storage: StorageRule = "native"
     saved_storage: StorageRule = "native"
     exact_companions: bool | None = True
+    recompute: tuple[str, ...] = ()
     name: str = ""
     source: str = ""
 
@@ -63,13 +66,28 @@ class CompressionPlan:
             for storage in [rule] if isinstance(rule, str) else rule.values():
                 check_setting(key, storage)
             object.__setattr__(self, key, rule)
+        if isinstance(self.recompute, str):
+            raise ValueError(f"recompute: a list of module-name patterns, not the string {self.recompute!r}")
+        object.__setattr__(self, "recompute", tuple(str(p) for p in self.recompute))
+        if "" in self.recompute:
+            raise ValueError("recompute: '' is the model itself; name the regions (e.g. 'layer*.*')")
         if self.exact_companions is None:
             object.__setattr__(self, "exact_companions", self.compresses)
 
     @property
     def compresses(self) -> bool:
-        """Some layer of the map keeps less than stock (a kernel above 1, a storage, ``from_bn``)."""
-        return any(not parse_spec(p, v).exact for p, v in self.map.items())
+        """Some layer keeps less than stock (a kernel above 1, a storage, ``from_bn``, a recomputed region)."""
+        return bool(self.recompute) or any(not parse_spec(p, v).exact for p, v in self.map.items())
+
+    @property
+    def lossless(self) -> bool:
+        """Every gradient is stock's to float rounding: exact layers (``from_bn`` rebuilding from an
+        exact BatchNorm input counts), native or chunked norm inputs, native storages; recomputed
+        regions and exact companions are exact."""
+        exact_norms = isinstance(self.norm_storage, str) and self.norm_storage in ("native", CHUNKED)
+        return exact_norms and all(getattr(self, k) == "native" for k in ("act_storage", "saved_storage")) and all(
+            parse_spec(p, v).kernel == (1, 1) and parse_spec(p, v).storage in ("native", FROM_NORM)
+            for p, v in self.map.items())
 
     @property
     def is_stock(self) -> bool:
@@ -84,6 +102,8 @@ class CompressionPlan:
         for key in ("act_storage", "saved_storage"):  # plans from before these settings keep their digests
             if getattr(self, key) != "native":
                 parts[key] = getattr(self, key)
+        if self.recompute:
+            parts["recompute"] = list(self.recompute)
         return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
     @property
@@ -98,10 +118,10 @@ class CompressionPlan:
         return {"compression": self.label, "compression_hash": self.digest, "compression_source": self.source,
                 "compression_map": self.map, "exact_companions": self.exact_companions,
                 "norm_storage": self.norm_storage, "act_storage": self.act_storage,
-                "saved_storage": self.saved_storage}
+                "saved_storage": self.saved_storage, **({"recompute": list(self.recompute)} if self.recompute else {})}
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CompressionPlan:
@@ -120,7 +140,8 @@ class CompressionPlan:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         body = {"name": self.name or path.stem, "map": {p: _file_value(v) for p, v in self.map.items()}, "map_file": None,
-                **{k: getattr(self, k) for k in STORAGE_SETTINGS}, "exact_companions": self.exact_companions}
+                **{k: getattr(self, k) for k in STORAGE_SETTINGS}, "exact_companions": self.exact_companions,
+                **({"recompute": list(self.recompute)} if self.recompute else {})}
         header = "".join(f"# {line}\n" for line in (comment or "").splitlines())
         path.write_text(header + yaml.safe_dump(body, sort_keys=False))
         return path
@@ -150,6 +171,7 @@ class CompressionPlan:
         storages = {k: settings[k] for k in STORAGE_SETTINGS if settings.get(k) is not None}
         try:
             return cls(mapping, **storages, exact_companions=settings.get("exact_companions"),
+                       recompute=tuple(settings.get("recompute") or ()),
                        name=str(name or path.stem), source=str(path))
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from e

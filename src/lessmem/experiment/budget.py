@@ -37,7 +37,7 @@ def choose_for_budget(model: nn.Module, batch: tuple[Tensor, Tensor], spec: RunS
         log.warning("lessmem: memory_budget=%s replaces compression %r: the map is the one chosen for the budget",
                     budget, spec.plan.label)
     net, on_device, settings = _as_measured(model, batch, spec)
-    fitted = fit(net, on_device, budget, **settings)
+    fitted = fit(net, on_device, budget, fidelity=spec.fidelity, **settings)
     plan = fitted.plan
     if fitted.stock:
         log.warning("lessmem: stock already fits memory_budget=%s at batch %d (whole-step peak %s): training stock",
@@ -51,9 +51,10 @@ def choose_for_budget(model: nn.Module, batch: tuple[Tensor, Tensor], spec: RunS
     return replace(spec, plan=plan, plan_given=f"memory_budget={budget}", data=data), fitted
 
 
-def plan_for_config(cfg: DictConfig, factors: tuple[float, ...]) -> tuple[RunSpec, int, list[PlanRow]]:
+def plan_for_config(cfg: DictConfig, factors: tuple[float, ...]) -> tuple[RunSpec, int, list[PlanRow], BudgetFit | None]:
     """(the run's spec, ``memory_budget`` in bytes, one row per batch size: ``factors`` x stock's
-    largest batch within the budget, each with the best map's predicted whole-step peak and error).
+    largest batch within the budget, each with the best lossy map's predicted whole-step peak and
+    error, and with ``fidelity`` exact or auto the plan ``lessmem-train`` would take at ``batch_size``).
     Measured once, at ``batch_size`` on the run's first validation batch, as ``memory_budget`` is
     in training (``lessmem.fit``'s profile and cache); the other batch sizes are predictions."""
     if cfg.get("memory_budget") is None:
@@ -64,7 +65,8 @@ def plan_for_config(cfg: DictConfig, factors: tuple[float, ...]) -> tuple[RunSpe
     model = spec.model.build()  # before the loaders, as in training: the same initial weights
     _, val_loader = spec.data.loaders(spec.seed, spec.ddp)
     net, on_device, settings = _as_measured(model, first_batch(val_loader, spec.data.batch_size), spec)
-    return spec, budget, plan_batches(budget_profile(net, on_device, **settings), budget, factors)
+    fitted = None if spec.fidelity == "lossy" else fit(net, on_device, budget, fidelity=spec.fidelity, **settings)
+    return spec, budget, plan_batches(budget_profile(net, on_device, **settings), budget, factors), fitted
 
 
 def _as_measured(model: nn.Module, batch: tuple[Tensor, Tensor],

@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 
 from lessmem.core import load_rounding_state, rounding_state, set_rounding_seed
 from lessmem.experiment.distributed import world_size
-from lessmem.sensitivity import parse_bytes
+from lessmem.sensitivity import FIDELITIES, parse_bytes
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 FAULT_ENV = "LESSMEM_FAULT"
@@ -58,6 +58,8 @@ def validate(cfg: DictConfig, device: torch.device) -> None:
             raise ValueError(f"{key} must be >= 0 (0: off), got {cfg[key]}")
     if cfg.get("memory_budget") is not None:
         parse_bytes(str(cfg.memory_budget))  # a bad size fails here, before any data is read
+    if cfg.get("fidelity", "lossy") not in FIDELITIES:
+        raise ValueError(f"fidelity={cfg.fidelity}: choose one of {', '.join(FIDELITIES)}")
     if (cfg.get("adaptive") or {}).get("every") and cfg.get("compile"):
         raise ValueError("adaptive.every > 0 re-assigns kernels during training; it cannot be combined with compile=true")
     if cfg.get("sync_bn") and world_size() > 1:

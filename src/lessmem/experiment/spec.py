@@ -103,6 +103,7 @@ class RunSpec:
     plan: CompressionPlan
     plan_given: str  # what the user wrote for it (a preset, its changed entries, a map file): errors name it
     memory_budget: str | None  # e.g. "6GiB": the plan comes from lessmem.fit at the batch size
+    fidelity: str  # the options lessmem.fit may use for memory_budget: exact | lossy | auto
     adaptive: AdaptiveSpec
     log: LogSpec
     precision: str
@@ -184,6 +185,7 @@ def resolve_run(cfg: DictConfig) -> RunSpec:
         optim=OptimSpec(dict(config["optimizer"]), dict(config["scheduler"])),
         plan=plan, plan_given=plan_given,
         memory_budget=None if cfg.get("memory_budget") is None else str(cfg.memory_budget),
+        fidelity=str(cfg.get("fidelity") or "lossy"),
         adaptive=AdaptiveSpec(every=int(acfg.get("every") or 0), budget=float(acfg.get("budget", 1.0)),
                               probe_batch=int(acfg.get("probe_batch", 32)),
                               criterion=str(acfg.get("criterion") or DEFAULT_CRITERION),

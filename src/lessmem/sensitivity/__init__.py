@@ -6,7 +6,7 @@ whole training step fits a memory budget in bytes. Torch only."""
 
 from lessmem.sensitivity.budget_plan import PlanRow, plan_batches
 from lessmem.sensitivity.byte_sizes import format_bytes, parse_bytes
-from lessmem.sensitivity.fit import BudgetFit, NoFit, budget_profile, fit
+from lessmem.sensitivity.fit import FIDELITIES, BudgetFit, NoFit, budget_profile, fit
 from lessmem.sensitivity.items import JOINT_KIND, MAP_KINDS, MenuItem, joint_option, option_name
 from lessmem.sensitivity.menu import CRITERIA, DEFAULT_CRITERION, MenuResult, ScoredPlan
 from lessmem.sensitivity.menu_measure import measure_menu
@@ -14,6 +14,7 @@ from lessmem.sensitivity.menu_options import DEFAULT_KERNELS, LOSSY_STORAGES, Me
 
 __all__ = [
     "BudgetFit",
+    "FIDELITIES",
     "NoFit",
     "PlanRow",
     "budget_profile",

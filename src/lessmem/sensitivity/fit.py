@@ -3,6 +3,12 @@
     fitted = lessmem.fit(model, (images, labels), budget="6GiB", optimizer=make_sgd)
     lessmem.compress(model, fitted.plan)
 
+``fidelity`` says which options it may use: ``"lossy"`` (the default, described here: the least
+gradient error that fits), ``"exact"`` (stock's gradients to float rounding: companions, ``from_bn``,
+chunked BatchNorm, recomputed regions; the fastest plan that fits, ``exact_fit``) or ``"auto"``: the
+exact plan when one fits and its measured step takes at most ``max_step_ratio`` (1.25) times
+stock's, else the lossy one.
+
 Steps: measure stock's whole-step peak (it fits: nothing to compress); measure the menu on a
 sub-batch of the batch (bytes scaled to the whole batch), the whole-step peak of the menu's
 smallest map (the floor: above the budget, nothing fits) and of a map near the bend of the peak
@@ -21,6 +27,8 @@ import json
 import logging
 import math
 import os
+import statistics
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,9 +44,11 @@ from lessmem.core import (
     load_rounding_state,
     measure_step_memory,
     rounding_state,
+    training_step,
     uncompress,
 )
 from lessmem.sensitivity.byte_sizes import format_bytes, parse_bytes
+from lessmem.sensitivity.exact_fit import exact_plans, fastest_fitting
 from lessmem.sensitivity.menu import CRITERIA, DEFAULT_CRITERION, MenuResult, ScoredPlan
 from lessmem.sensitivity.menu_measure import measure_menu
 from lessmem.sensitivity.menu_options import MenuOptions
@@ -68,6 +78,10 @@ AIM = 0.96
 
 # Maps tried (each verified by a real step unless measured before) before a choice is taken as is.
 MAX_TRIED = 4
+FIDELITIES = ("exact", "lossy", "auto")
+# fidelity="auto": the exact plan while its step takes at most this many times stock's.
+AUTO_STEP_RATIO = 1.25
+TIMED_STEPS = 3  # steps of stock and of the chosen exact plan, alternating, behind its step-time ratio
 
 
 def default_cache_dir() -> Path:
@@ -91,13 +105,16 @@ class BudgetFit:
     criterion: str = DEFAULT_CRITERION
     verified: int = 0  # maps measured by a real step in this search
     known: bool = False  # the chosen map's peak was measured before this search: its prediction is that measurement
+    fidelity: str = "lossy"  # the options the plan was chosen from ("exact" or "lossy")
+    step_time_ratio: float | None = None  # measured step time over stock's (exact plans; median of TIMED_STEPS)
 
     def record(self) -> dict[str, Any]:
         """The figures a run records (memory.json, metrics.json)."""
         return {"memory_budget_bytes": self.budget_bytes, "predicted_step_peak_bytes": self.predicted_peak_bytes,
                 "budget_step_peak_bytes": self.step_peak_bytes, "budget_stock_fits": self.stock,
                 "budget_floor_step_peak_bytes": self.floor_step_peak_bytes,
-                "budget_predicted_grad_error": self.score.get("grad_error", 0.0)}
+                "budget_predicted_grad_error": self.score.get("grad_error", 0.0), "budget_fidelity": self.fidelity,
+                **({"budget_step_time_ratio": self.step_time_ratio} if self.step_time_ratio is not None else {})}
 
 
 @dataclass
@@ -113,19 +130,22 @@ class BudgetProfile:
 
 
 class NoFit(ValueError):
-    """Even the menu's smallest map does not fit the budget."""
+    """Even the smallest plan (the menu's smallest map, or the exact floor) does not fit the budget."""
 
 
 def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | float, *,
         optimizer: OptimizerFactory | None = None, loss_fn: LossFn = F.cross_entropy,
-        amp_dtype: torch.dtype | None = None, criterion: str = DEFAULT_CRITERION) -> BudgetFit:
+        amp_dtype: torch.dtype | None = None, criterion: str = DEFAULT_CRITERION, fidelity: str = "lossy",
+        max_step_ratio: float = AUTO_STEP_RATIO) -> BudgetFit:
     """The map of least ``criterion`` whose whole training step (forward, backward,
     ``optimizer(params).step()``) on ``batch`` peaks within ``budget`` (bytes, or ``"6GiB"``,
     ``"750MiB"``), its plan named ``budget_<budget>``. Stock fits: ``stock=True`` and a plan that
     compresses nothing. Nothing fits:
     ``NoFit`` (a ValueError) naming the smallest peak the menu reaches and the largest batch
     that fits. ``model`` is not changed (measured on copies); measurements are cached in
-    ``~/.cache/lessmem/budget`` (``$LESSMEM_CACHE/budget``)."""
+    ``~/.cache/lessmem/budget`` (``$LESSMEM_CACHE/budget``). ``fidelity``: the module docstring."""
+    if fidelity not in FIDELITIES:
+        raise ValueError(f"fidelity {fidelity!r}: choose one of {', '.join(FIDELITIES)}")
     budget_bytes = parse_bytes(budget)
     name = f"budget_{format_bytes(budget_bytes)}"
     step, cache_file, profile = _profile(model, batch, optimizer, loss_fn, amp_dtype)
@@ -134,7 +154,15 @@ def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | floa
     if profile.stock_peak <= budget_bytes:
         _save(cache_file, profile)
         return BudgetFit(CompressionPlan(exact_companions=False, name=name, source="memory_budget"), stock=True,
-                         predicted_peak_bytes=profile.stock_peak, step_peak_bytes=profile.stock_peak, **base)
+                         predicted_peak_bytes=profile.stock_peak, step_peak_bytes=profile.stock_peak,
+                         fidelity="exact" if fidelity != "lossy" else "lossy", **base)
+    if fidelity != "lossy":
+        _save(cache_file, profile)
+        exact = _fit_exact(step, batch, budget_bytes, name, base, required=fidelity == "exact")
+        if exact is not None and (fidelity == "exact" or exact.step_time_ratio <= max_step_ratio):
+            return exact
+        log.info("lessmem.fit: %s; the lossy plan instead (fidelity=auto)", "no exact plan fits" if exact is None else
+                 f"the exact plan's step takes {exact.step_time_ratio:.2f}x stock's (> {max_step_ratio})")
     if profile.menu is None:
         _measure_floor(profile, step, batch, loss_fn, criterion)
         _save(cache_file, profile)
@@ -183,6 +211,38 @@ def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | floa
     return BudgetFit(chosen.plan.replace(name=name, source="memory_budget"), predicted_peak_bytes=predicted,
                      step_peak_bytes=measured, saved_bytes=int(chosen.score["bytes"]), score=chosen.score,
                      verified=verified, known=known, **base)
+
+
+def _fit_exact(step: _Stepper, batch: tuple[Tensor, Tensor], budget_bytes: int, name: str, base: dict[str, Any],
+               required: bool) -> BudgetFit | None:
+    """The fastest exact plan whose step fits (``exact_fit``); none: ``NoFit`` if ``required``, else None."""
+    n = menu_samples(len(batch[0]))
+    plans, costs = exact_plans(step.model, batch[0][:n], len(batch[0]) / n)
+    reports: dict[int, Any] = {}
+
+    def peak(plan: CompressionPlan) -> int:
+        reports[plans.index(plan)] = report = step.peak(plan)
+        return report.peak_bytes
+
+    index, measured = fastest_fitting(plans, peak, budget_bytes)
+    floor = measured[len(plans) - 1]
+    log.info("lessmem.fit: exact plans measured (index: peak): %s; %d recomputable regions",
+             {i: format_bytes(p) for i, p in sorted(measured.items())}, len(costs))
+    if index is None:
+        if not required:
+            return None
+        static = float(sum(reports[len(plans) - 1].by_category.get(c, 0) for c in STATIC_CATEGORIES))
+        per_sample = (floor - static) / len(batch[0])
+        largest = max(0, math.floor((budget_bytes - static) / per_sample)) if per_sample > 0 else len(batch[0])
+        batches = (f"the largest batch that fits is about {largest}" if largest else
+                   f"not even one sample fits: parameters, gradients and optimizer state take {format_bytes(static)}")
+        raise NoFit(f"no exact plan fits memory budget {format_bytes(budget_bytes)} at batch {len(batch[0])}: the exact "
+                    f"floor (every block recomputed, from_bn, chunked BatchNorm) peaks at {format_bytes(floor)} "
+                    f"(stock {format_bytes(base['stock_step_peak_bytes'])}); {batches}; fidelity=lossy reaches lower")
+    plan = plans[index]
+    return BudgetFit(plan.replace(name=name, source="memory_budget"), predicted_peak_bytes=measured[index],
+                     step_peak_bytes=measured[index], floor_step_peak_bytes=floor, verified=len(measured),
+                     fidelity="exact", step_time_ratio=step.time_ratio(plan), **base)
 
 
 def budget_profile(model: nn.Module, batch: tuple[Tensor, Tensor], *, optimizer: OptimizerFactory | None = None,
@@ -280,7 +340,8 @@ class _Stepper:
         self.net: nn.Module | None = None
         self.opt: torch.optim.Optimizer | None = None
 
-    def peak(self, plan: CompressionPlan | None):
+    def _apply(self, plan: CompressionPlan | None) -> int:
+        """Compress the copy with ``plan`` (made on first use); the warm-up steps it needs."""
         warmup = int(self.net is None)
         if self.net is None:
             self.net = copy.deepcopy(self.model).train()
@@ -289,6 +350,32 @@ class _Stepper:
             uncompress(self.net)
         else:
             compress(self.net, plan)
+        return warmup
+
+    def time_ratio(self, plan: CompressionPlan, repeats: int = TIMED_STEPS) -> float:
+        """The median step time of ``plan`` over stock's, their steps alternating (one untimed of each first)."""
+        device = self.batch[0].device
+        times: dict[bool, list[float]] = {False: [], True: []}
+        state = rounding_state()
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                for i in range(repeats + 1):
+                    for planned in (False, True):
+                        self._apply(plan if planned else None)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize(device)
+                        start = time.perf_counter()
+                        training_step(self.net, self.batch, self.opt, self.loss_fn, self.amp_dtype)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize(device)
+                        if i:
+                            times[planned].append(time.perf_counter() - start)
+        finally:
+            load_rounding_state(state)
+        return statistics.median(times[True]) / statistics.median(times[False])
+
+    def peak(self, plan: CompressionPlan | None):
+        warmup = self._apply(plan)
         device = self.batch[0].device
         state = rounding_state()
         try:

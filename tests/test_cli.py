@@ -1,7 +1,12 @@
-"""Where lessmem-coverage, -plan and -sensitivity write: everything (their files, Hydra's ``.hydra/``
+"""The analysis commands in-process.
+
+Where lessmem-coverage, -plan and -sensitivity write: everything (their files, Hydra's ``.hydra/``
 and the job's log) into Hydra's run dir, ``hydra.run.dir``; its default is the command's former
 ``outputs/<command>/...`` location, ``coverage.out`` / ``out_dir`` / ``sensitivity.out`` name the same
-directory, and ``-m`` gives each job its own directory under ``hydra.sweep.dir``, as for lessmem-train."""
+directory, and ``-m`` gives each job its own directory under ``hydra.sweep.dir``, as for lessmem-train.
+
+Their ``<command>.*`` Hydra settings (and the ``menu`` group) reach the run, and a misspelled one ends with
+one ``<prog>: error:`` line and exit status 2."""
 
 from __future__ import annotations
 
@@ -10,8 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from lessmem.cli import coverage, plan, sensitivity
+from lessmem.sensitivity import MenuResult
 
 MAINS: dict[str, Callable[[], None]] = {
     "lessmem-coverage": coverage.main, "lessmem-plan": plan.main, "lessmem-sensitivity": sensitivity.main,
@@ -68,3 +75,35 @@ def test_coverage_multirun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_
     pool2, pool4 = (json.loads(p.read_text())["summary"]["share_of_stock"] for p in jobs)
     assert pool4 < pool2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]
+
+
+def test_sensitivity_misspelled_option(run_cli, tiny: tuple[str, ...]) -> None:
+    result = run_cli(sensitivity.main, "lessmem-sensitivity", *tiny, "sensitivity.batchez=2")
+    assert result.is_one_error("lessmem-sensitivity", "Could not override 'sensitivity.batchez'"), result
+    assert "not in struct" in result.stderr[0]
+
+
+def test_sensitivity_option_without_value(run_cli, tiny: tuple[str, ...]) -> None:
+    result = run_cli(sensitivity.main, "lessmem-sensitivity", *tiny, "sensitivity.budget")
+    assert result.is_one_error("lessmem-sensitivity", "Error parsing override 'sensitivity.budget'; missing EQUAL"), result
+
+
+def test_coverage_misspelled_option(run_cli, tiny: tuple[str, ...]) -> None:
+    result = run_cli(coverage.main, "lessmem-coverage", *tiny, "coverage.bach=2")
+    assert result.is_one_error("lessmem-coverage", "Could not override 'coverage.bach'"), result
+
+
+def test_sensitivity_options_reach_the_run(tmp_path: Path, run_cli, tiny: tuple[str, ...]) -> None:
+    weights = tmp_path / "weights.pt"
+    torch.manual_seed(0)
+    from lessmem.models import build_model
+
+    torch.save(build_model("resnet20", 10).state_dict(), weights)
+    out = tmp_path / "out"
+    result = run_cli(sensitivity.main, "lessmem-sensitivity", *tiny, "sensitivity.batches=1",
+                     "sensitivity.batch_size=4", "menu.kernels=[1, 2]", f"sensitivity.checkpoint={weights}",
+                     f"sensitivity.out={out}")
+    assert result.status == 0, result.stderr
+    meta = MenuResult.load(out).meta
+    assert meta["kernels"] == [1, 2] and (meta["batches"], meta["batch_size"], meta["weights"]) == (1, 4, str(weights))
+    assert (out / "menu.json").is_file() and (out / "menu_resnet20.yaml").is_file()
