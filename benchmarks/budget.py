@@ -18,7 +18,8 @@ measured step against the profile's prediction (the peak model before any verifi
 
 Exact view (``--exact F [F ...]``, issue 44): at each fraction F of stock's whole-step peak,
 ``lessmem.fit(fidelity="exact")`` (measured peak, step time over stock's from the fit's alternating
-steps, the largest relative gradient difference to stock's on one step) beside
+steps, the largest relative gradient difference to stock's on one step) and
+``lessmem.fit(fidelity="lossy")`` (the same, its step timed alternating with stock) beside
 ``torch.utils.checkpoint`` on every block (peak, step time ratio, timed alternating with stock):
 
     python benchmarks/budget.py --model resnet18 --image-size 224 --batch 32 --exact 0.9 0.8 0.7 0.6 0.55
@@ -244,6 +245,15 @@ def exact(model: nn.Module, batch, loss_fn, args: argparse.Namespace) -> None:
             row.update(exact_peak_ratio=fitted.step_peak_bytes / stock_peak, exact_step_ratio=fitted.step_time_ratio,
                        exact_max_rel_grad_error=max_relative_error(grads_of(net, batch, loss_fn), reference),
                        recomputed=len(fitted.plan.recompute), floor_ratio=fitted.floor_step_peak_bytes / stock_peak)
+        try:
+            lossy = lessmem.fit(model, batch, budget, optimizer=sgd, loss_fn=loss_fn, fidelity="lossy")
+        except lessmem.sensitivity.NoFit as e:
+            row["lossy"] = str(e)
+        else:
+            net = lessmem.compress(copy.deepcopy(model).train(), lossy.plan)
+            row.update(lossy_peak_ratio=lossy.step_peak_bytes / stock_peak,
+                       lossy_step_ratio=alternating_ratio(copy.deepcopy(model).train(), net, batch, loss_fn, args.steps),
+                       lossy_max_rel_grad_error=max_relative_error(grads_of(net, batch, loss_fn), reference))
         rows.append(row)
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     if args.csv:

@@ -4,6 +4,7 @@ definition of the paper computed independently here."""
 from __future__ import annotations
 
 import copy
+import fnmatch
 import itertools
 import math
 
@@ -660,19 +661,23 @@ def _step_results(model: nn.Module, x: torch.Tensor) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("plan", [
     lessmem.CompressionPlan(recompute=("layer*.*",)),
+    lessmem.CompressionPlan(recompute=("conv1+bn1+relu+maxpool", "layer*.*")),
     lessmem.CompressionPlan({"layer*.conv2": "from_bn"},
                             norm_storage="chunked", recompute=("layer3.*", "layer4")),
-], ids=["blocks", "with_from_bn"])
+], ids=["blocks", "stem_run_and_blocks", "with_from_bn"])
 def test_recomputed_regions_are_stock_bit_for_bit(plan: lessmem.CompressionPlan) -> None:
-    """Recomputed blocks (dropout inside one: torch's RNG restored) give stock's gradients and
-    BatchNorm statistics (updated once, not again by the rerun) and keep fewer bytes; uncompress
-    restores the forward."""
+    """Recomputed blocks (dropout inside one: torch's RNG restored) and the stem's run of layers give
+    stock's gradients and BatchNorm statistics (updated once, not again by the rerun) and keep fewer
+    bytes; uncompress restores the forward."""
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10)
     model.layer1[0] = _DroppedBlock(model.layer1[0])
     x = torch.randn(4, 3, 32, 32)
     stock, recomputed = copy.deepcopy(model), lessmem.compress(copy.deepcopy(model), plan)
-    assert set(lessmem.core.recomputed_modules(recomputed)) <= {n for n, _ in model.named_modules() if n.startswith("layer")}
+    regions = [n for r in plan.recompute for n in r.split("+")]
+    assert set(lessmem.core.recomputed_modules(recomputed)) == {
+        n for n in dict(model.named_modules()) if any(fnmatch.fnmatchcase(n, r) for r in regions)
+        and not any(n.startswith(f"{o}.") and fnmatch.fnmatchcase(o, r) for o in dict(model.named_modules()) for r in regions)}
     grads, buffers = _step_results(stock, x)
     grads_r, buffers_r = _step_results(recomputed, x)
     tolerance = 0.0 if plan.norm_storage == "native" else 1e-5
@@ -712,6 +717,16 @@ def test_recompute_refuses_a_module_that_cannot_rerun(module: type[nn.Module], m
     lessmem.compress(model, lessmem.CompressionPlan(recompute=("1",)))
     with pytest.raises(RuntimeError, match=rf"module '1' .*{message}"):
         model(torch.randn(4, 8)).sum().backward()
+
+
+def test_recomputed_run_called_out_of_order_fails_by_name() -> None:
+    """A run whose parent does not call its layers one after another on each other's outputs."""
+    model = torchvision.models.resnet18(num_classes=10)
+    lessmem.compress(model, lessmem.CompressionPlan(recompute=("bn1+conv1",)))
+    with pytest.raises(RuntimeError, match=r"recomputed run 'bn1\+conv1': 'conv1' got another tensor than 'bn1' returned"):
+        model(torch.randn(2, 3, 32, 32))
+    with pytest.raises(ValueError, match="name sibling modules"):
+        lessmem.compress(model, lessmem.CompressionPlan(recompute=("conv1+layer1.0.bn1",)))
 
 
 def test_recompute_patterns_are_checked() -> None:

@@ -46,6 +46,12 @@ def _plan(cfg: DictConfig) -> None:
               f"(recomputed: {recomputed}), whole-step peak {fitted.step_peak_bytes / MiB:.1f} MiB measured "
               f"({fitted.step_peak_bytes / budget:.3f} of the budget){ratio}")
         fitted.plan.write(out / f"{fitted.plan.name}.yaml", comment=f"lessmem-plan fidelity={spec.fidelity}")
+        if fitted.regions:
+            print("recomputable regions (most saved bytes per second of rerun first):")
+            print("| region | saved MiB | rerun ms | recomputed |\n|---|---:|---:|---|")
+            for r in fitted.regions:
+                print(f"| {r.name} | {r.saved_bytes / MiB:.1f} | {1000 * r.seconds:.1f} | "
+                      f"{'yes' if r.name in fitted.plan.recompute else 'no'} |")
     print("lossy maps by batch size (predicted):")
     print("| batch | fits | predicted peak MiB | of budget | predicted grad error | cosine |")
     print("|---:|---|---:|---:|---:|---:|")
@@ -60,7 +66,8 @@ def _plan(cfg: DictConfig) -> None:
         writer.writerows(records)
     (out / "plan.json").write_text(json.dumps({"memory_budget": spec.memory_budget, "memory_budget_bytes": budget,
                                                "model": cfg.model.name, "rows": records,
-                                               **({"fit": fitted.record() | {"plan": fitted.plan.to_dict()}}
+                                               **({"fit": fitted.record() | {"plan": fitted.plan.to_dict(), "regions": [
+                                                   dataclasses.asdict(r) for r in fitted.regions]}}
                                                   if fitted is not None else {})}, indent=1))
     plot_batch_plan(records, budget, out / "plan.png", title)
     print(f"wrote {out / 'plan.csv'}, plan.json, plan.png")

@@ -15,7 +15,7 @@ from lessmem.core.ops import custom_ops  # noqa: F401  (registers torch.ops.less
 from lessmem.core.ops.conv import CompressedConv2d
 from lessmem.core.ops.dispatch import ORIGINAL_CLASS_ATTR
 from lessmem.core.ops.input_notes import ClampOfNorm, noted
-from lessmem.core.ops.recomputed_region import RecomputedForward
+from lessmem.core.ops.recomputed_region import RecomputedForward, RecomputedRun, RunMember
 from lessmem.core.ops.registry import (
     NOTED_NORMS,
     STOCK_OF,
@@ -28,6 +28,8 @@ from lessmem.core.plan import CompressionPlan, check_setting
 from lessmem.core.saved_storage import attach, detach
 from lessmem.core.spec import FROM_NORM, LayerSpec
 from lessmem.core.storage import check_storage
+
+RUN_JOIN = "+"  # joins the sibling modules of a recomputed run: "conv1+bn1+relu+maxpool"
 
 
 def _swap(module: nn.Module, new_cls: type[nn.Module]) -> None:
@@ -77,8 +79,8 @@ def compress(
         store are left alone. Lossy, opt-in: every gradient upstream becomes approximate.
     recompute: module-name patterns of regions (a block, any module) that keep only their inputs and
         rerun their forward in backward, torch's RNG state restored (``ops.recomputed_region``).
-        Exact. A recomputed region runs stock inside (it keeps nothing there: compressing would only
-        slow its rerun), whatever the map and storages say of its modules.
+        Exact. The map's ``from_bn`` entries inside a region are left out (the region keeps nothing
+        to rebuild from); everything else applies there and makes the rerun's backward smaller.
     A ``CompressionPlan`` (what every chooser returns: the menu, ``lessmem.fit``, a run's config) as
     ``mapping`` brings its own map and every setting; the keyword settings must then stay default.
     A plan that does not fit the model is a ValueError naming the layer or pattern.
@@ -96,11 +98,15 @@ def compress(
                         saved_storage=mapping.saved_storage, recompute=mapping.recompute)
     uncompress(model)
     regions = _recomputed_regions(model, recompute)
+    members = [n for r in regions for n in r.split(RUN_JOIN)]
 
-    def inside(name: str) -> bool:  # a recomputed region keeps nothing: it runs stock inside
-        return any(name == r or name.startswith(f"{r}.") for r in regions)
+    def inside(name: str) -> bool:
+        return any(name == r or name.startswith(f"{r}.") for r in members)
 
-    specs = {n: s for n, s in resolve_mapping(model, mapping).items() if not inside(n)}
+    # A recomputed region keeps nothing between forward and backward, so nothing there can be rebuilt
+    # from what another layer keeps: its from_bn entries are left out (everything else applies, and
+    # makes the region's rerun in backward smaller).
+    specs = {n: s for n, s in resolve_mapping(model, mapping).items() if not (inside(n) and s.storage == FROM_NORM)}
     for name, spec in specs.items():
         module = model.get_submodule(name)
         if spec.exact:
@@ -120,43 +126,58 @@ def compress(
         module.lessmem_spec = spec
         module.lessmem_name = name
     if exact_companions:
-        for name, module in model.named_modules():
-            companion = None if inside(name) else exact_companion_of(module)
+        for module in model.modules():
+            companion = exact_companion_of(module)
             if companion is not None:
                 _swap(module, companion)
     for option, rule in (("norm_storage", norm_storage), ("act_storage", act_storage)):
         stored_class_of, kind = _STORED_LAYERS[option]
         for name, storage in _storage_choices(model, rule, stored_class_of, option, kind).items():
-            if inside(name):
-                continue
             module = model.get_submodule(name)
             _swap(module, stored_class_of(module))
             module.lessmem_storage = storage
     if any(spec.storage == FROM_NORM for spec in specs.values()):
         _note_exact_norms(model)
     for name, (storage, in_layer) in _saved_storage_choices(model, saved_storage).items():
-        if not inside(name):
-            attach(model.get_submodule(name), storage, in_layer=in_layer, is_model=not name)
+        attach(model.get_submodule(name), storage, in_layer=in_layer, is_model=not name)
     for name in regions:
-        module = model.get_submodule(name)
-        module.forward = RecomputedForward(module, name)
+        if RUN_JOIN in name:
+            names = name.split(RUN_JOIN)
+            run = RecomputedRun([model.get_submodule(n) for n in names], names)
+            for member, n in zip(run.members, names, strict=True):
+                model.get_submodule(n).forward = member
+        else:
+            module = model.get_submodule(name)
+            module.forward = RecomputedForward(module, name)
     return model
 
 
 def _recomputed_regions(model: nn.Module, patterns: Sequence[str]) -> list[str]:
-    """The outermost modules matched by ``patterns`` (the model itself never)."""
+    """The outermost modules matched by ``patterns`` (the model itself never), and the runs
+    (``a+b+c``: sibling module names, checked) as they are."""
     if isinstance(patterns, str):
         raise ValueError(f"recompute: a list of module-name patterns, not the string {patterns!r}")
     names = [n for n, _ in model.named_modules() if n]
+    runs = [p for p in patterns if RUN_JOIN in p]
+    for run in runs:
+        members = run.split(RUN_JOIN)
+        missing = [n for n in members if n not in names]
+        if missing or len({n.rpartition(".")[0] for n in members}) > 1:
+            raise ValueError(f"recompute run {run!r}: name sibling modules (one parent), joined by {RUN_JOIN!r}"
+                             + (f"; no module {missing}" if missing else ""))
+    patterns = [p for p in patterns if RUN_JOIN not in p]
     for pattern in unmatched(patterns, names):
         listed = ", ".join(repr(n) for n in names[:8])
         raise ValueError(f"recompute pattern {pattern!r} matches no module name; have {listed}, ... "
                          f"({len(names)} modules)")
     chosen: list[str] = []
+    in_runs = [n for run in runs for n in run.split(RUN_JOIN)]
     for name in names:
         if first_match(name, patterns) is not None and not any(name.startswith(f"{c}.") for c in chosen):
+            if name in in_runs:
+                raise ValueError(f"recompute: module {name!r} is in a run and matched alone; choose one")
             chosen.append(name)
-    return chosen
+    return runs + chosen
 
 
 def _stored_norm_of(module: nn.Module) -> type[nn.Module] | None:
@@ -272,7 +293,7 @@ def uncompress(model: nn.Module) -> nn.Module:
     for module in model.modules():
         detach(module)
         recomputed = module.__dict__.get("forward")
-        if isinstance(recomputed, RecomputedForward):
+        if isinstance(recomputed, (RecomputedForward, RunMember)):
             del module.forward
             if recomputed.replaced is not None:
                 module.forward = recomputed.replaced

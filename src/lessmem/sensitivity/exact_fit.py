@@ -6,8 +6,9 @@ The plans, from fastest to smallest (each a real step on the batch when the sear
 1. exact companions alone (1-bit ReLU masks, uint8 max-pool indices);
 2. plus every conv that reads ReLU(BatchNorm) rebuilt from it (``from_bn``) and BatchNorm's chunked
    backward (``norm_storage="chunked"``);
-3. plus regions recomputed in backward (``recompute``): the model's blocks, the one that saves the
-   most bytes per second of rerun first (``region_costs``: bytes from a saved-tensor count with the
+3. plus regions recomputed in backward (``recompute``): the model's blocks and the runs of sibling
+   layers between them (a ResNet's stem ``conv1+bn1+relu+maxpool``), the one that saves the most
+   bytes per second of rerun first (``region_costs``: bytes from a saved-tensor count with the
    region recomputed, seconds from its forward, both on a sub-batch); the k-th plan recomputes the
    first k.
 
@@ -18,6 +19,7 @@ the last plan is the exact floor: below it, ``NoFit`` names the floor and the la
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from torch import Tensor, nn
 from lessmem.core import CompressionPlan, compress, measure_memory, rebuildable_convs, uncompress
 from lessmem.core.ops.registry import compressed_class_of
 
+TIMED_FORWARDS = 3
 Peak = Callable[[CompressionPlan], int]  # a plan's measured whole-step peak on the batch
 
 
@@ -61,17 +64,62 @@ def region_candidates(model: nn.Module) -> list[str]:
     return found
 
 
-def region_costs(model: nn.Module, inputs: Tensor, base: CompressionPlan, scale: float) -> list[RegionCost]:
+def run_candidates(model: nn.Module, inputs: Tensor) -> list[str]:
+    """Runs of two or more sibling layers outside the blocks that a training-mode forward of
+    ``inputs`` calls one after another, each on the one before's output (``"conv1+bn1+relu+maxpool"``)."""
+    blocks = region_candidates(model)
+    leaves = [(n, m) for n, m in model.named_modules()
+              if n and not any(True for _ in m.children()) and not any(n.startswith(f"{b}.") for b in blocks)]
+    calls: list[tuple[str, int, int]] = []  # (name, id of its input, id of its output), in call order
+    hooks = [m.register_forward_hook(lambda mod, a, o, n=n: calls.append((n, id(a[0]) if a else 0, id(o))))
+             for n, m in leaves]
+    try:
+        with torch.enable_grad():
+            model(inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    runs: list[list[str]] = []
+    for i, (name, source, _) in enumerate(calls):
+        before = calls[i - 1] if i else None
+        joins = (before is not None and before[2] == source and runs and runs[-1][-1] == before[0]
+                 and name.rpartition(".")[0] == before[0].rpartition(".")[0])
+        if joins:
+            runs[-1].append(name)
+        else:
+            runs.append([name])
+    return ["+".join(r) for r in runs if len(r) > 1 and len(set(r)) == len(r)]
+
+
+def with_regions(sources: dict[str, str], regions: tuple[str, ...]) -> CompressionPlan:
+    """Every conv of ``sources`` (conv -> the BatchNorm it reads through a ReLU) rebuilt from its
+    BatchNorm (``from_bn``), BatchNorm's chunked backward, and ``regions`` recomputed: a conv whose
+    BatchNorm is in a region keeps its input instead (a region keeps nothing to rebuild from)."""
+    inside = [n for r in regions for n in r.split("+")]
+
+    def recomputed(name: str) -> bool:
+        return any(name == r or name.startswith(f"{r}.") for r in inside)
+
+    rebuilt = {conv: "from_bn" for conv, norm in sources.items() if not recomputed(norm) and not recomputed(conv)}
+    return CompressionPlan(rebuilt, norm_storage="chunked", exact_companions=True, recompute=regions)
+
+
+def region_costs(model: nn.Module, inputs: Tensor, sources: dict[str, str], scale: float) -> list[RegionCost]:
     """Each candidate region's saved bytes (``scale`` times those on ``inputs``, a sub-batch) and
-    forward seconds, with ``base`` applied around it; most bytes per second first."""
+    forward seconds, with the rest of ``with_regions`` around it; most bytes per second first. A
+    candidate run whose rerun fails its checks is left out."""
     net = copy.deepcopy(model).train()
-    compress(net, base)
+    compress(net, with_regions(sources, ()))
     base_bytes = measure_memory(net, inputs).total_bytes
-    seconds = _forward_seconds(net, inputs, region_candidates(model))
+    candidates = [*run_candidates(net, inputs), *region_candidates(model)]
+    seconds = _forward_seconds(net, inputs, candidates)
     costs = []
-    for name in region_candidates(model):
-        compress(net, base.replace(recompute=(name,)))
-        saved = base_bytes - measure_memory(net, inputs).total_bytes
+    for name in candidates:
+        try:
+            compress(net, with_regions(sources, (name,)))
+            saved = base_bytes - measure_memory(net, inputs).total_bytes
+        except RuntimeError:  # a run its parent does not call as one
+            continue
         if saved > 0:
             costs.append(RegionCost(name, round(saved * scale), seconds[name] * scale))
     uncompress(net)
@@ -79,17 +127,20 @@ def region_costs(model: nn.Module, inputs: Tensor, base: CompressionPlan, scale:
 
 
 def _forward_seconds(model: nn.Module, inputs: Tensor, names: list[str]) -> dict[str, float]:
-    """Each named module's forward time in a training-mode forward (the second of two)."""
+    """Each named region's forward time: the least over ``1 + TIMED_FORWARDS`` training-mode forwards
+    (a busy machine's stalls and the first call's warm-up are not the region's); a run's from its
+    first layer's start to its last one's end."""
     started: dict[str, float] = {}
-    took: dict[str, float] = dict.fromkeys(names, 0.0)
+    took: dict[str, float] = dict.fromkeys(names, math.inf)
     hooks = []
     for name in names:
-        module = model.get_submodule(name)
-        hooks.append(module.register_forward_pre_hook(lambda m, a, n=name: started.__setitem__(n, time.perf_counter())))
-        hooks.append(module.register_forward_hook(
-            lambda m, a, o, n=name: took.__setitem__(n, time.perf_counter() - started[n])))
+        first, last = name.split("+")[0], name.split("+")[-1]
+        hooks.append(model.get_submodule(first).register_forward_pre_hook(
+            lambda m, a, n=name: started.__setitem__(n, time.perf_counter())))
+        hooks.append(model.get_submodule(last).register_forward_hook(
+            lambda m, a, o, n=name: took.__setitem__(n, min(took[n], time.perf_counter() - started[n]))))
     try:
-        for _ in range(2):
+        for _ in range(1 + TIMED_FORWARDS):
             with torch.enable_grad():
                 model(inputs)
     finally:
@@ -100,12 +151,10 @@ def _forward_seconds(model: nn.Module, inputs: Tensor, names: list[str]) -> dict
 
 def exact_plans(model: nn.Module, inputs: Tensor, scale: float) -> tuple[list[CompressionPlan], list[RegionCost]]:
     """The search's plans, fastest first (the module docstring), and the region costs behind them."""
-    companions = CompressionPlan(exact_companions=True)
-    rebuilt = CompressionPlan(dict.fromkeys(rebuildable_convs(model, inputs), "from_bn"), norm_storage="chunked",
-                              exact_companions=True)
-    costs = region_costs(model, inputs, rebuilt, scale)
-    plans = [companions, rebuilt]
-    plans += [rebuilt.replace(recompute=tuple(c.name for c in costs[:k])) for k in range(1, len(costs) + 1)]
+    sources = rebuildable_convs(model, inputs)
+    costs = region_costs(model, inputs, sources, scale)
+    plans = [CompressionPlan(exact_companions=True), with_regions(sources, ())]
+    plans += [with_regions(sources, tuple(c.name for c in costs[:k])) for k in range(1, len(costs) + 1)]
     return plans, costs
 
 

@@ -48,7 +48,7 @@ from lessmem.core import (
     uncompress,
 )
 from lessmem.sensitivity.byte_sizes import format_bytes, parse_bytes
-from lessmem.sensitivity.exact_fit import exact_plans, fastest_fitting
+from lessmem.sensitivity.exact_fit import RegionCost, exact_plans, fastest_fitting
 from lessmem.sensitivity.menu import CRITERIA, DEFAULT_CRITERION, MenuResult, ScoredPlan
 from lessmem.sensitivity.menu_measure import measure_menu
 from lessmem.sensitivity.menu_options import MenuOptions
@@ -107,6 +107,7 @@ class BudgetFit:
     known: bool = False  # the chosen map's peak was measured before this search: its prediction is that measurement
     fidelity: str = "lossy"  # the options the plan was chosen from ("exact" or "lossy")
     step_time_ratio: float | None = None  # measured step time over stock's (exact plans; median of TIMED_STEPS)
+    regions: tuple[RegionCost, ...] = ()  # exact plans: every recomputable region's measured bytes and seconds
 
     def record(self) -> dict[str, Any]:
         """The figures a run records (memory.json, metrics.json)."""
@@ -237,12 +238,12 @@ def _fit_exact(step: _Stepper, batch: tuple[Tensor, Tensor], budget_bytes: int, 
         batches = (f"the largest batch that fits is about {largest}" if largest else
                    f"not even one sample fits: parameters, gradients and optimizer state take {format_bytes(static)}")
         raise NoFit(f"no exact plan fits memory budget {format_bytes(budget_bytes)} at batch {len(batch[0])}: the exact "
-                    f"floor (every block recomputed, from_bn, chunked BatchNorm) peaks at {format_bytes(floor)} "
+                    f"floor (every block and run of layers recomputed, from_bn, chunked BatchNorm) peaks at {format_bytes(floor)} "
                     f"(stock {format_bytes(base['stock_step_peak_bytes'])}); {batches}; fidelity=lossy reaches lower")
     plan = plans[index]
     return BudgetFit(plan.replace(name=name, source="memory_budget"), predicted_peak_bytes=measured[index],
                      step_peak_bytes=measured[index], floor_step_peak_bytes=floor, verified=len(measured),
-                     fidelity="exact", step_time_ratio=step.time_ratio(plan), **base)
+                     fidelity="exact", step_time_ratio=step.time_ratio(plan), regions=tuple(costs), **base)
 
 
 def budget_profile(model: nn.Module, batch: tuple[Tensor, Tensor], *, optimizer: OptimizerFactory | None = None,

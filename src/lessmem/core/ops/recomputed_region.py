@@ -2,6 +2,12 @@
 backward and reruns its own forward there, under ``torch.utils.checkpoint`` (non-reentrant) with
 torch's RNG state restored, so dropout draws the same masks. Exact: the gradients are stock's.
 
+A region can also be a run of sibling modules that its parent calls one after another, each on the
+one before's output (``"conv1+bn1+relu+maxpool"``, a ResNet's stem: no module holds them). The first
+module then runs the whole run under the checkpoint and returns its own output; each next one
+returns its output from that run, after checking that its input is the output the one before
+returned (same tensor, unchanged): a parent that does anything between them fails by name.
+
 Three things a plain checkpoint leaves to the user are handled here:
 
 - what the region keeps goes through autograd's saved tensors (``_KeptInputs``), so every byte
@@ -13,7 +19,7 @@ Three things a plain checkpoint leaves to the user are handled here:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -98,6 +104,70 @@ class RecomputedForward:
         return out
 
 
+class RecomputedRun:
+    """A run of sibling modules recomputed as one region: its first module runs them all under one
+    checkpoint (``RecomputedForward`` of their chain); each module's ``forward`` is a ``RunMember``."""
+
+    def __init__(self, modules: list[nn.Module], names: list[str]) -> None:
+        self.names, self.label = names, "+".join(names)
+        self.members = [RunMember(self, i, m) for i, m in enumerate(modules)]
+        chain = _Chain(modules, [m.original for m in self.members])
+        self.region = RecomputedForward(chain, self.label)
+        self.pending: list[Tensor] = []  # outputs of the run's later modules, not yet handed out
+        self.handed: Tensor | None = None  # the output handed out last
+
+    def first(self, x: Tensor) -> Tensor:
+        if not torch.is_grad_enabled() or not self.region._needs_grad((x,), {}):
+            self.pending, self.handed = [], None
+            return self.members[0].original(x)
+        self.handed, *self.pending = self.region(x)
+        return self.handed
+
+    def next(self, i: int, x: Tensor) -> Tensor:
+        engaged = torch.is_grad_enabled() and self.region._needs_grad((x,), {})
+        if self.handed is None and not engaged:  # no gradient needed: the module as it is
+            return self.members[i].original(x)
+        if x is not self.handed or not self.pending:
+            self.pending, self.handed = [], None
+            raise RuntimeError(f"lessmem: recomputed run {self.label!r}: {self.names[i]!r} got another tensor than "
+                               f"{self.names[i - 1]!r} returned; a run's modules must be called one after another, "
+                               "each on the one before's output")
+        self.handed = self.pending.pop(0)
+        out = self.handed
+        if not self.pending:
+            self.handed = None
+        return out
+
+
+class RunMember:
+    """The ``forward`` of a run's i-th module (``uncompress`` puts ``replaced`` back)."""
+
+    def __init__(self, run: RecomputedRun, i: int, module: nn.Module) -> None:
+        self.run, self.i = run, i
+        self.replaced = module.__dict__.get("forward")
+        self.original = module.forward
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.run.first(x) if self.i == 0 else self.run.next(self.i, x)
+
+
+class _Chain(nn.Module):
+    """A run's forwards composed, returning every module's output; the modules are registered so
+    that the region's checks (parameters, BatchNorm statistics) see them."""
+
+    def __init__(self, modules: list[nn.Module], forwards: list[Callable[..., Any]]) -> None:
+        super().__init__()
+        self.members = nn.ModuleList(modules)
+        self.forwards = forwards
+
+    def forward(self, x: Tensor) -> tuple[Tensor, ...]:
+        outs = []
+        for f in self.forwards:
+            x = f(x)
+            outs.append(x)
+        return tuple(outs)
+
+
 def _running_stats(module: nn.Module) -> Iterator[Tensor]:
     """The buffers a training-mode forward updates: BatchNorm's running statistics and counter."""
     for m in module.modules():
@@ -124,5 +194,9 @@ def _tensors(out: Any) -> Iterator[Tensor]:
 
 
 def recomputed_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Name -> module of every module ``compress`` made recomputed."""
-    return {n: m for n, m in model.named_modules() if isinstance(m.__dict__.get("forward"), RecomputedForward)}
+    """Name -> module of every module ``compress`` made recomputed (alone or in a run)."""
+    return {n: m for n, m in model.named_modules() if _recomputing(m.__dict__.get("forward"))}
+
+
+def _recomputing(forward: Any) -> bool:
+    return isinstance(forward, (RecomputedForward, RunMember))
