@@ -183,3 +183,10 @@ def test_exact_fit_below_the_floor_and_bad_fidelity(setup) -> None:
 def test_train_bad_fidelity_is_one_line(run_cli, tiny, tmp_path: Path) -> None:
     result = run_cli(train_main, "lessmem-train", *tiny, f"out_dir={tmp_path}", "memory_budget=64MiB", "fidelity=precise")
     assert result.is_one_error("lessmem-train", "fidelity=precise: choose one of exact, lossy, auto")
+
+
+def test_auto_fidelity_takes_the_lossy_plan_past_the_step_ratio(setup) -> None:
+    """fidelity="auto": exact while its measured step is within max_step_ratio of stock's, else lossy."""
+    model, batch, stock = setup
+    fitted = lessmem.fit(model, batch, int(0.75 * stock), optimizer=sgd, fidelity="auto", max_step_ratio=0.0)
+    assert fitted.fidelity == "lossy" and fitted.step_peak_bytes <= 0.75 * stock
