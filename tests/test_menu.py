@@ -1,20 +1,36 @@
-"""The compressor menu: bytes predicted exactly as measure_memory counts them, the whole-gradient
-criterion additive as claimed, the knapsack optimal and within budget, map files round-trip."""
+"""The compressor menu (conv, BatchNorm and language-model items), kernel-only and full.
+
+The compressor menu: bytes predicted exactly as measure_memory counts them, the whole-gradient
+criterion additive as claimed, the knapsack optimal and within budget, map files round-trip.
+
+lessmem.sensitivity, kernel-only (the menu with native storage): one stock backward predicts
+every compressed weight gradient, and the bytes of every map.
+
+The menu of a language model and the menu's 1-bit end: token linears, GELU / SiLU inputs and
+saved-tensor regions (norm inputs, attention's saved tensors, gated products) as items, bytes
+predicted exactly as measure_memory counts them; 1-bit BatchNorm inputs; the CLI measuring on
+warmed-up weights."""
 
 from __future__ import annotations
 
 import copy
 import itertools
+import json
+import math
 import random
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_sensitivity import batches, tiny_cnn
+from torch import nn
 
 import lessmem
 from lessmem.core import CompressionPlan, load_rounding_state, rounding_state
+from lessmem.experiment import compose_config, fixed_batches, run, task_of
 from lessmem.experiment.compression import resolve_compression
+from lessmem.models import build_model
 from lessmem.sensitivity import (
     MenuItem,
     MenuOptions,
@@ -322,3 +338,210 @@ def test_language_model_menu_predicts_bytes_exactly(seed: int) -> None:
     measured = lessmem.measure_memory(lessmem.compress(copy.deepcopy(model), mapping, act_storage=act), x)
     assert menu.score(CompressionPlan(mapping, act_storage=act))["bytes"] == measured.total_bytes
     assert menu.make_map(0.7, "grad_error").score["ratio"] <= 0.7
+
+
+class Block(nn.Module):
+    """conv1 and the 1x1 shortcut read the same input, as in ResNet."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, 2, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, groups=2)
+        self.down = nn.Conv2d(cin, cout, 1, 2, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.conv2(self.relu(self.bn1(self.conv1(x)))) + self.down(x))
+
+
+def tiny_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+        Block(8, 16),
+        nn.Conv2d(16, 16, 3, padding="same", dilation=1, padding_mode="reflect"), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5),
+    )
+
+
+def batches(n: int = 2, size: int = 15) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 3, size, size, generator=g), torch.randint(5, (4,), generator=g)) for _ in range(n)]
+
+
+def conv_grads(model: nn.Module, batch) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(model(batch[0]), batch[1]).backward()
+    return {n: m.weight.grad.clone() for n, m in model.named_modules() if isinstance(m, nn.Conv2d)}
+
+
+def kernel_menu(model: nn.Module, data, kernels=(1, 2, 4)) -> MenuResult:
+    return measure_menu(model, data, MenuOptions.kernel_only(kernels))
+
+
+def conv_items(menu: MenuResult) -> dict:
+    return {i.name: i for i in menu.items if i.kind == "conv"}
+
+
+def test_k1_exact_and_pooled_lossy() -> None:
+    menu = kernel_menu(tiny_cnn().train(), batches())
+    items = conv_items(menu)
+    assert list(items) == ["0", "3.conv1", "3.conv2", "3.down", "4"]
+    assert {i.kind for i in menu.items} == {"conv", "norm"}  # BatchNorm inputs: native only
+    assert all(i.options == ["native"] for i in menu.items if i.kind == "norm")
+    for item in items.values():
+        assert item.options == ["1", "2", "4"]
+        assert item.mean("cosine")[0] == pytest.approx(1.0, abs=1e-6)
+        assert item.mean("grad_error")[0] == pytest.approx(0.0, abs=1e-12)
+        assert all(c < 1 - 1e-4 for c in item.mean("cosine")[1:])
+    # conv1 and down share their input: one group, so a uniform map stores it once.
+    assert items["3.conv1"].group == items["3.down"].group
+    assert items["3.conv1"].nbytes == [4 * 8 * 15 * 15 * 4, 4 * 8 * 8 * 8 * 4, 4 * 8 * 4 * 4 * 4]
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_prediction_matches_compressed_backward(k: int) -> None:
+    """The insight: exact error propagation makes one stock pass predict the compressed one."""
+    model = tiny_cnn().train()
+    batch = batches(1)[0]
+    exact = conv_grads(copy.deepcopy(model), batch)
+    compressed = copy.deepcopy(model)
+    lessmem.compress(compressed, {"*": k})
+    actual = conv_grads(compressed, batch)
+    for name, item in conv_items(kernel_menu(copy.deepcopy(model), [batch], kernels=(1, k))).items():
+        cos = F.cosine_similarity(exact[name].flatten().double(), actual[name].flatten().double(), dim=0)
+        assert float(cos) == pytest.approx(item.mean("cosine")[1], abs=1e-5), name
+
+
+def test_saved_bytes_match_measure_memory() -> None:
+    """The menu's bytes of a map are what autograd really keeps under it."""
+    model = tiny_cnn().train()
+    x = batches(1)[0][0]
+    menu = kernel_menu(copy.deepcopy(model), [batches(1)[0]])
+    for m in ({"*": 2}, {"3.conv1": 4, "3.down": 2, "4": 2}, {"3.conv1": 2, "0": 4}):
+        lessmem.compress(model, m)
+        assert menu.score(lessmem.CompressionPlan(m))["bytes"] == lessmem.measure_memory(model, x).total_bytes, m
+        lessmem.uncompress(model)
+
+
+def test_buffers_and_grads_untouched() -> None:
+    model = tiny_cnn().train()
+    before = copy.deepcopy(model.state_dict())
+    kernel_menu(model, batches(1), kernels=(1, 2))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_kernel_map_fits_the_budget_and_compresses() -> None:
+    menu = kernel_menu(tiny_cnn().train(), batches(), kernels=(1, 2, 4, 8))
+    for frac in (0.9, 0.7, 0.5):
+        choice = menu.make_map(frac)
+        assert choice.score["ratio"] <= frac
+        assert choice.plan.norm_storage == "native" and choice.plan.act_storage == "native"
+        assert all(o in ("1", "2", "4", "8") for o in choice.plan.map.values())
+        lessmem.compress(tiny_cnn(), choice.plan)  # usable as it is
+
+
+pytest.importorskip("transformers")
+
+SMALL_LMS = {
+    "tiny_llama": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                   "num_key_value_heads": 2, "max_position_embeddings": 32},
+    "tiny_gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 32, "resid_pdrop": 0.0,
+                  "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+}
+
+
+def applied(model: torch.nn.Module, choice) -> torch.nn.Module:
+    return lessmem.compress(copy.deepcopy(model), choice.plan)
+
+
+@pytest.fixture(scope="module", params=list(SMALL_LMS))
+def lm(request: pytest.FixtureRequest, tiny_lm: tuple[str, ...]) -> tuple[str, torch.nn.Module, tuple, MenuResult]:
+    torch.manual_seed(0)
+    cfg = compose_config(list(tiny_lm))
+    model = build_model(request.param, 256, **SMALL_LMS[request.param]).train()
+    batch = fixed_batches(cfg, 1, 4)[0]
+    options = MenuOptions(kernels=(1, 2), token_kernels=(1, 2), storages=("native", "int4", "int1"),
+                          act_storages=("int4",), saved_storages=("int8", "int1"))
+    menu = measure_menu(model, [batch], options, loss_fn=task_of(cfg).criterion)
+    return request.param, model, batch, menu
+
+
+def test_lm_items_cover_linears_norms_and_attention(lm) -> None:
+    name, _, _, menu = lm
+    saved = [i.name for i in menu.items if i.kind == "saved"]
+    assert {i.kind for i in menu.items} >= {"linear", "saved"}
+    norms = ("input_layernorm", "post_attention_layernorm", "model.norm") if name == "tiny_llama" else ("ln_1", "ln_2", "ln_f")
+    assert all(any(n.endswith(norm) for n in saved) for norm in norms), saved
+    attention = [i for i in menu.items if i.kind == "saved" and i.name.endswith(("self_attn", ".attn"))]
+    assert len(attention) == 2
+    if name == "tiny_llama":  # every layer saves the rotary tables: the attentions choose together
+        assert attention[0].group is not None and attention[0].group == attention[1].group
+    for item in (i for i in menu.items if i.kind == "saved"):
+        assert item.options == ["native", "int8", "int1"]
+        assert item.nbytes[0] > item.nbytes[1] > item.nbytes[2] >= 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lm_predicted_bytes_equal_measured(lm, seed: int) -> None:
+    """Random per-unit choices over the whole menu, applied as the map make_map writes: the menu's
+    bytes are measure_memory's, byte for byte."""
+    _, model, (x, _), menu = lm
+    rng = random.Random(seed)
+    chosen = {}
+    for members in menu.unit_items().values():
+        items = [i for i in menu.items if i.name in members]
+        option = rng.choice([o for o in items[0].options if all(o in i.options for i in items)])
+        chosen.update(dict.fromkeys(members, option))
+    choice = menu.choice_of(chosen)
+    assert choice.score["bytes"] == lessmem.measure_memory(applied(model, choice), x).total_bytes
+
+
+def test_lm_knapsack_maps_fit_and_reach_below_the_linears_alone(lm) -> None:
+    _, model, (x, _), menu = lm
+    linears_only = menu.uniform("2/int1")["ratio"]
+    least = menu.least_ratio()
+    assert least < linears_only
+    for budget in (0.5, least + 0.01):
+        choice = menu.make_map(budget, "grad_error")
+        measured = lessmem.measure_memory(applied(model, choice), x).total_bytes
+        assert measured == choice.score["bytes"] <= budget * menu.stock_bytes
+    with pytest.raises(ValueError, match="no map fits"):
+        menu.make_map(least * 0.9)
+
+
+def test_batchnorm_int1_is_on_the_menu_and_its_bytes_are_exact() -> None:
+    model = tiny_cnn().train()
+    menu = measure_menu(model, batches(1), MenuOptions(kernels=(1, 2), storages=("native", "int1")))
+    bn = next(i for i in menu.items if i.kind == "norm")
+    assert bn.options[-1] == "int1" and bn.nbytes[-1] < bn.nbytes[bn.index("int2")]
+    without = measure_menu(model, batches(1), MenuOptions(kernels=(1, 2), storages=("native", "int1"),
+                                                          norm_storages=("bf16", "int8", "int4", "int2")))
+    assert menu.least_ratio() < without.least_ratio()
+    choice = menu.uniform_choice("2/int1", "int1")
+    x = batches(1)[0][0]
+    assert choice.score["bytes"] == lessmem.measure_memory(applied(model, choice), x).total_bytes
+
+
+def test_sensitivity_cli_measures_the_lm_menu_after_warm_up(tmp_path: Path, run_cli: Callable[..., object],
+                                                             tiny_lm: tuple[str, ...]) -> None:
+    from lessmem.cli.sensitivity import main
+
+    result = run_cli(main, "lessmem-sensitivity", *tiny_lm, "sensitivity.batches=2", "sensitivity.batch_size=4",
+                     "sensitivity.warmup_steps=2", "menu.kernels=[1,2]", "menu.storages=[native,int4]",
+                     "menu.norm_storages=[]", "menu.act_storages=[int4]", "menu.saved_storages=[int4,int1]",
+                     "sensitivity.budget=0.3", "sensitivity.criterion=grad_error", f"sensitivity.out={tmp_path}")
+    assert result.status == 0, result.stderr
+    data = json.loads((tmp_path / "menu.json").read_text())
+    assert data["meta"]["weights"] == "stock, after 2 warm-up steps"
+    assert {i["kind"] for i in data["items"]} == {"linear", "act", "saved"}
+    # menu.kernels pools conv inputs; token-linear inputs stay unpooled unless menu.token_kernels says so
+    assert data["meta"]["token_kernels"] == [1]
+    assert all(i["options"] == ["1", "int4"] for i in data["items"] if i["kind"] == "linear")
+    generated = tmp_path / "menu_tiny_llama.yaml"
+    assert "saved_storage" in generated.read_text()
+    metrics = run(compose_config([*tiny_lm, f"compression.map_file={generated}", f"out_dir={tmp_path / 'run'}"]))
+    assert math.isfinite(metrics["final_val_ppl"])
+    assert metrics["ratio"] <= 0.3 + 1e-9
