@@ -70,6 +70,8 @@ def test_items_cover_convs_and_norms(menu: MenuResult) -> None:
     conv = next(i for i in menu.items if i.name == "3.conv2")
     assert conv.options[:3] == ["1", "bf16", "int8"] and "2/int4" in conv.options
     assert conv.mean("grad_error")[0] == 0.0 and all(v > 0 for v in conv.mean("grad_error")[1:])
+    chunked = CompressionPlan({"*": 2}, norm_storage="chunked")  # chunked BatchNorm keeps native's bytes
+    assert menu.score(chunked) == menu.score(chunked.replace(norm_storage="native"))
 
 
 def test_a_conv_after_batchnorm_and_relu_chooses_with_it(joint_menu: MenuResult, menu: MenuResult) -> None:

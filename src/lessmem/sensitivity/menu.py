@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from lessmem.core import CompressionPlan, StorageRule, first_match, parse_spec
+from lessmem.core.plan import CHUNKED
 from lessmem.sensitivity.items import (
     JOINT_KIND,
     MAP_KINDS,
@@ -289,4 +290,7 @@ def _conv_rule(mapping: Mapping[str, Any]) -> dict[str, str]:
 
 
 def _storage_rule(rule: StorageRule) -> dict[str, str]:
-    return {"*": rule} if isinstance(rule, str) else {str(p): str(s) for p, s in rule.items()}
+    """Patterns -> the menu's option names; ``chunked`` BatchNorm keeps the native input (its
+    bytes and gradients are native's: only its backward's scratch is smaller)."""
+    rule = {"*": rule} if isinstance(rule, str) else {str(p): str(s) for p, s in rule.items()}
+    return {p: "native" if s == CHUNKED else s for p, s in rule.items()}
