@@ -23,6 +23,7 @@ steps, the largest relative gradient difference to stock's on one step) and
 ``torch.utils.checkpoint`` on every block (peak, step time ratio, timed alternating with stock):
 
     python benchmarks/budget.py --model resnet18 --image-size 224 --batch 32 --exact 0.9 0.8 0.7 0.6 0.55
+    python benchmarks/budget.py --plot-exact A.csv B.csv --plot docs/results/budget/exact.png   # the CSVs side by side
 """
 
 from __future__ import annotations
@@ -119,9 +120,12 @@ def main() -> None:
     p.add_argument("--plan", help="a budget (e.g. 6GiB): the planning view instead")
     p.add_argument("--curve", type=int, default=0, help="N maps' measured peaks against the profile's prediction instead")
     p.add_argument("--exact", type=float, nargs="+", help="fractions of stock's peak: the exact view instead")
+    p.add_argument("--plot-exact", nargs="+", metavar="CSV", help="plot exact views' CSVs side by side (--plot) and stop")
     p.add_argument("--csv")
     p.add_argument("--plot")
     args = p.parse_args()
+    if args.plot_exact:
+        return plot_exact(args.plot_exact, args.plot)
     torch.set_num_threads(1)
     model, batch, loss_fn = setup(args)
     if args.exact:
@@ -268,6 +272,37 @@ def exact(model: nn.Module, batch, loss_fn, args: argparse.Namespace) -> None:
             writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
             writer.writeheader()
             writer.writerows(rows)
+
+
+def plot_exact(paths: list[str], out: str) -> None:
+    """Per CSV of the exact view, one panel: whole-step peak (x stock's) against the budget for the
+    exact plan, the lossy plan and checkpointing every block, each point labelled with its step time."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(paths), figsize=(4.6 * len(paths), 4), squeeze=False)
+    for ax, path in zip(axes[0], paths, strict=True):
+        with open(path, newline="") as f:
+            rows = [{k: v for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
+        budgets = [float(r["fraction"]) for r in rows]
+        ax.plot(budgets, budgets, "k:", label="budget")
+        for kind, marker in (("exact", "o-"), ("lossy", "s--")):
+            points = [(float(r["fraction"]), float(r[f"{kind}_peak_ratio"]), float(r[f"{kind}_step_ratio"]))
+                      for r in rows if f"{kind}_peak_ratio" in r]
+            if points:
+                line, = ax.plot([b for b, _, _ in points], [q for _, q, _ in points], marker, label=f"lessmem {kind}")
+                for b, q, t in points:
+                    ax.annotate(f"{t:.2f}x", (b, q), textcoords="offset points", xytext=(4, -10 if kind == "lossy" else 4),
+                                fontsize=7, color=line.get_color())
+        ck = float(rows[0]["checkpoint_peak_ratio"])
+        ax.axhline(ck, color="grey", ls="--", label=f"checkpoint every block ({float(rows[0]['checkpoint_step_ratio']):.2f}x)")
+        ax.set(xlabel="budget (x stock's whole-step peak)", ylabel="measured peak (x stock's)",
+               title=os.path.basename(path).removesuffix(".csv"))
+        ax.invert_xaxis()
+        ax.legend(fontsize=7)
+    fig.suptitle("Exact under a budget: peak, step time over stock's beside each point")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
 
 
 def curve(model: nn.Module, batch, loss_fn, profile, args: argparse.Namespace) -> None:
