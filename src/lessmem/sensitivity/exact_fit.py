@@ -70,9 +70,15 @@ def run_candidates(model: nn.Module, inputs: Tensor) -> list[str]:
     blocks = region_candidates(model)
     leaves = [(n, m) for n, m in model.named_modules()
               if n and not any(True for _ in m.children()) and not any(n.startswith(f"{b}.") for b in blocks)]
-    calls: list[tuple[str, int, int]] = []  # (name, id of its input, id of its output), in call order
-    hooks = [m.register_forward_hook(lambda mod, a, o, n=n: calls.append((n, id(a[0]) if a else 0, id(o))))
-             for n, m in leaves]
+    calls: list[tuple[str, int, int]] = []  # (name, id of its one input, id of its output), in call order
+
+    def called(name: str) -> Callable[..., None]:
+        def record(module: nn.Module, args: tuple, kwargs: dict, out: object) -> None:
+            one = len(args) == 1 and not kwargs and isinstance(args[0], Tensor) and isinstance(out, Tensor)
+            calls.append((name, id(args[0]) if one else -1, id(out) if one else -2))
+        return record
+
+    hooks = [m.register_forward_hook(called(n), with_kwargs=True) for n, m in leaves]
     try:
         with torch.enable_grad():
             model(inputs)
@@ -82,7 +88,7 @@ def run_candidates(model: nn.Module, inputs: Tensor) -> list[str]:
     runs: list[list[str]] = []
     for i, (name, source, _) in enumerate(calls):
         before = calls[i - 1] if i else None
-        joins = (before is not None and before[2] == source and runs and runs[-1][-1] == before[0]
+        joins = (before is not None and source >= 0 and before[2] == source and runs and runs[-1][-1] == before[0]
                  and name.rpartition(".")[0] == before[0].rpartition(".")[0])
         if joins:
             runs[-1].append(name)
@@ -118,7 +124,7 @@ def region_costs(model: nn.Module, inputs: Tensor, sources: dict[str, str], scal
         try:
             compress(net, with_regions(sources, (name,)))
             saved = base_bytes - measure_memory(net, inputs).total_bytes
-        except RuntimeError:  # a run its parent does not call as one
+        except (RuntimeError, TypeError):  # a run its parent does not call as one
             continue
         if saved > 0:
             costs.append(RegionCost(name, round(saved * scale), seconds[name] * scale))
