@@ -13,7 +13,8 @@ The plans, from fastest to smallest (each a real step on the batch when the sear
    first k.
 
 The search takes the first plan that fits, bisecting over k (more regions: fewer bytes, more time);
-the last plan is the exact floor: below it, ``NoFit`` names the floor and the largest batch that fits.
+the last plan, or every region recomputed with nothing else (``bare_floor``) where that peaks lower,
+is the exact floor: below it, ``NoFit`` names the floor and the largest batch that fits.
 """
 
 from __future__ import annotations
@@ -162,6 +163,12 @@ def exact_plans(model: nn.Module, inputs: Tensor, scale: float) -> tuple[list[Co
     plans = [CompressionPlan(exact_companions=True), with_regions(sources, ())]
     plans += [with_regions(sources, tuple(c.name for c in costs[:k])) for k in range(1, len(costs) + 1)]
     return plans, costs
+
+
+def bare_floor(costs: list[RegionCost]) -> CompressionPlan:
+    """Every region recomputed and nothing else (plain checkpointing): where lessmem's companions
+    make a rerun's backward larger than stock's (the tiny Llama's layers), the smaller floor."""
+    return CompressionPlan(exact_companions=False, recompute=tuple(c.name for c in costs))
 
 
 def fastest_fitting(plans: list[CompressionPlan], peak: Peak, budget_bytes: int) -> tuple[int | None, dict[int, int]]:

@@ -48,7 +48,7 @@ from lessmem.core import (
     uncompress,
 )
 from lessmem.sensitivity.byte_sizes import format_bytes, parse_bytes
-from lessmem.sensitivity.exact_fit import RegionCost, exact_plans, fastest_fitting
+from lessmem.sensitivity.exact_fit import RegionCost, bare_floor, exact_plans, fastest_fitting
 from lessmem.sensitivity.menu import CRITERIA, DEFAULT_CRITERION, MenuResult, ScoredPlan
 from lessmem.sensitivity.menu_measure import measure_menu
 from lessmem.sensitivity.menu_options import MenuOptions
@@ -229,6 +229,10 @@ def _fit_exact(step: _Stepper, batch: tuple[Tensor, Tensor], budget_bytes: int, 
     floor = measured[len(plans) - 1]
     log.info("lessmem.fit: exact plans measured (index: peak): %s; %d recomputable regions",
              {i: format_bytes(p) for i, p in sorted(measured.items())}, len(costs))
+    if index is None and costs:
+        plans.append(bare_floor(costs))
+        measured[len(plans) - 1] = floor = min(floor, peak(plans[-1]))
+        index = len(plans) - 1 if measured[len(plans) - 1] <= budget_bytes else None
     if index is None:
         if not required:
             return None
