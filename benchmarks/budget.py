@@ -46,6 +46,7 @@ from lessmem.core import training_step
 from lessmem.models import build_model
 from lessmem.reporting import plot_batch_plan
 from lessmem.sensitivity import budget_profile, format_bytes, parse_bytes, plan_batches
+from lessmem.sensitivity.exact_fit import region_candidates
 
 MIB = 2**20
 
@@ -83,10 +84,9 @@ def peak(model: nn.Module, batch, loss_fn) -> int:
 
 
 def blocks(model: nn.Module) -> list[str]:
-    """The repeated blocks torch.utils.checkpoint wraps: ResNet stages' blocks, decoder layers."""
-    names = [n for n, m in model.named_modules()
-             if type(m).__name__ in ("BasicBlock", "Bottleneck", "LlamaDecoderLayer", "GPT2Block")]
-    return [n for n in names if not any(n.startswith(o + ".") for o in names)]
+    """The blocks torch.utils.checkpoint wraps: the exact planner's own candidates (ResNet stages'
+    blocks, MobileNet's features, decoder layers)."""
+    return region_candidates(model)
 
 
 def checkpointed(model: nn.Module) -> nn.Module:
