@@ -13,8 +13,9 @@ The plans, from fastest to smallest (each a real step on the batch when the sear
    first k.
 
 The search takes the first plan that fits, bisecting over k (more regions: fewer bytes, more time);
-the last plan, or every region recomputed with nothing else (``bare_floor``) where that peaks lower,
-is the exact floor: below it, ``NoFit`` names the floor and the largest batch that fits.
+the last plan is the exact floor: below it, ``NoFit`` names the floor and the largest batch that fits.
+Where every region recomputed with nothing else peaks lower than the last plan, the search runs
+on that ladder instead (``bare_plans``: plain checkpointing of the first k regions).
 """
 
 from __future__ import annotations
@@ -165,16 +166,20 @@ def exact_plans(model: nn.Module, inputs: Tensor, scale: float) -> tuple[list[Co
     return plans, costs
 
 
-def bare_floor(costs: list[RegionCost]) -> CompressionPlan:
-    """Every region recomputed and nothing else (plain checkpointing): where lessmem's companions
-    make a rerun's backward larger than stock's (the tiny Llama's layers), the smaller floor."""
-    return CompressionPlan(exact_companions=False, recompute=tuple(c.name for c in costs))
+def bare_plans(costs: list[RegionCost]) -> list[CompressionPlan]:
+    """The same ladder with regions recomputed and nothing else (plain checkpointing), from one
+    region to all: where lessmem's companions make a rerun's backward larger and slower (the tiny
+    Llama's layers), this ladder's floor is the lower one."""
+    return [CompressionPlan(exact_companions=False, recompute=tuple(c.name for c in costs[:k]))
+            for k in range(1, len(costs) + 1)]
 
 
-def fastest_fitting(plans: list[CompressionPlan], peak: Peak, budget_bytes: int) -> tuple[int | None, dict[int, int]]:
+def fastest_fitting(plans: list[CompressionPlan], peak: Peak, budget_bytes: int,
+                    known: dict[int, int] | None = None) -> tuple[int | None, dict[int, int]]:
     """The index of the first plan whose measured peak fits ``budget_bytes`` (None: not even the
-    last) and every peak measured on the way, bisecting (later plans keep fewer bytes)."""
-    measured: dict[int, int] = {}
+    last) and every peak measured on the way (``known``: measured before), bisecting (later plans
+    keep fewer bytes)."""
+    measured: dict[int, int] = dict(known or {})
 
     def fits(i: int) -> bool:
         if i not in measured:

@@ -48,7 +48,7 @@ from lessmem.core import (
     uncompress,
 )
 from lessmem.sensitivity.byte_sizes import format_bytes, parse_bytes
-from lessmem.sensitivity.exact_fit import RegionCost, bare_floor, exact_plans, fastest_fitting
+from lessmem.sensitivity.exact_fit import RegionCost, bare_plans, exact_plans, fastest_fitting
 from lessmem.sensitivity.menu import CRITERIA, DEFAULT_CRITERION, MenuResult, ScoredPlan
 from lessmem.sensitivity.menu_measure import measure_menu
 from lessmem.sensitivity.menu_options import MenuOptions
@@ -225,14 +225,19 @@ def _fit_exact(step: _Stepper, batch: tuple[Tensor, Tensor], budget_bytes: int, 
         reports[plans.index(plan)] = report = step.peak(plan)
         return report.peak_bytes
 
-    index, measured = fastest_fitting(plans, peak, budget_bytes)
+    known = {len(plans) - 1: peak(plans[-1])}
+    if costs:  # the lower of the two ladders' floors decides which one the search runs on
+        bare = bare_plans(costs)
+        lessmem_floor, bare_floor = known[len(plans) - 1], step.peak(bare[-1])
+        log.info("lessmem.fit: exact floors: lessmem's ladder %s, plain checkpointing %s",
+                 format_bytes(lessmem_floor), format_bytes(bare_floor.peak_bytes))
+        if bare_floor.peak_bytes < lessmem_floor:
+            plans, known = bare, {len(bare) - 1: bare_floor.peak_bytes}
+            reports[len(bare) - 1] = bare_floor
+    index, measured = fastest_fitting(plans, peak, budget_bytes, known)
     floor = measured[len(plans) - 1]
     log.info("lessmem.fit: exact plans measured (index: peak): %s; %d recomputable regions",
              {i: format_bytes(p) for i, p in sorted(measured.items())}, len(costs))
-    if index is None and costs:
-        plans.append(bare_floor(costs))
-        measured[len(plans) - 1] = floor = min(floor, peak(plans[-1]))
-        index = len(plans) - 1 if measured[len(plans) - 1] <= budget_bytes else None
     if index is None:
         if not required:
             return None
