@@ -187,12 +187,16 @@ def schedule(c: dict | None) -> str:
     """The training schedule, from the first stock run's config."""
     if not c:
         return "unknown (no stock run)"
-    opt, data = c.get("optimizer", {}), c.get("dataset", {})
+    opt, data, model = c.get("optimizer", {}), c.get("dataset", {}), c.get("model", {})
     if data.get("name", "cifar10") == "cifar10":
-        return (f"{c.get('model', {}).get('name')}, {c.get('epochs')} epochs on a balanced {data.get('train_subset')}-image "
-                f"CIFAR-10 subset, batch {c.get('batch_size')}, {opt.get('name')} lr {opt.get('lr')}, "
-                f"{c.get('scheduler', {}).get('name')} schedule, full 10,000-image test set")
-    return (f"{c.get('model', {}).get('name')}, {c.get('epochs')} epoch(s) of at most {c.get('max_steps_per_epoch')} steps "
+        images = (f"a balanced {data.get('train_subset')}-image CIFAR-10 subset" if data.get("train_subset")
+                  else "all 50,000 CIFAR-10 training images")
+        return (f"{model.get('name')}, {c.get('epochs')} epochs on {images}, batch {c.get('batch_size')}, "
+                f"{opt.get('name')} lr {opt.get('lr')}, {c.get('scheduler', {}).get('name')} schedule, full 10,000-image test set")
+    lora = model.get("lora")
+    tuned = (f"LoRA fine-tuning (r {lora.get('r')}, alpha {lora.get('lora_alpha')}) of {model.get('init_checkpoint')}, "
+             if lora else "")
+    return (f"{tuned}{model.get('name')}, {c.get('epochs')} epoch(s) of at most {c.get('max_steps_per_epoch')} steps "
             f"on {data.get('name')} (blocks of {data.get('seq_len')}), batch {c.get('batch_size')}, {opt.get('name')} "
             f"lr {opt.get('lr')}, {c.get('scheduler', {}).get('name')} schedule, {data.get('val_blocks')} validation blocks")
 
