@@ -15,7 +15,13 @@ from lessmem.core.ops import custom_ops  # noqa: F401  (registers torch.ops.less
 from lessmem.core.ops.conv import CompressedConv2d
 from lessmem.core.ops.dispatch import ORIGINAL_CLASS_ATTR
 from lessmem.core.ops.input_notes import ClampOfNorm, noted
-from lessmem.core.ops.recomputed_region import RecomputedForward, RecomputedRun, RunMember
+from lessmem.core.ops.recomputed_region import (
+    RUN_JOIN,
+    RecomputedForward,
+    RecomputedRun,
+    RunMember,
+    in_regions,
+)
 from lessmem.core.ops.registry import (
     NOTED_NORMS,
     STOCK_OF,
@@ -28,8 +34,6 @@ from lessmem.core.plan import CompressionPlan, check_setting
 from lessmem.core.saved_storage import attach, detach
 from lessmem.core.spec import FROM_NORM, LayerSpec
 from lessmem.core.storage import check_storage
-
-RUN_JOIN = "+"  # joins the sibling modules of a recomputed run: "conv1+bn1+relu+maxpool"
 
 
 def _swap(module: nn.Module, new_cls: type[nn.Module]) -> None:
@@ -98,15 +102,10 @@ def compress(
                         saved_storage=mapping.saved_storage, recompute=mapping.recompute)
     uncompress(model)
     regions = _recomputed_regions(model, recompute)
-    members = [n for r in regions for n in r.split(RUN_JOIN)]
-
-    def inside(name: str) -> bool:
-        return any(name == r or name.startswith(f"{r}.") for r in members)
-
     # A recomputed region keeps nothing between forward and backward, so nothing there can be rebuilt
     # from what another layer keeps: its from_bn entries are left out (everything else applies, and
     # makes the region's rerun in backward smaller).
-    specs = {n: s for n, s in resolve_mapping(model, mapping).items() if not (inside(n) and s.storage == FROM_NORM)}
+    specs = {n: s for n, s in resolve_mapping(model, mapping).items() if not (in_regions(n, regions) and s.storage == FROM_NORM)}
     for name, spec in specs.items():
         module = model.get_submodule(name)
         if spec.exact:

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from lessmem.core import CompressionPlan, compress, measure_memory, rebuildable_convs, uncompress
+from lessmem.core.ops.recomputed_region import RUN_JOIN, in_regions
 from lessmem.core.ops.registry import compressed_class_of
 
 TIMED_FORWARDS = 3
@@ -96,19 +97,15 @@ def run_candidates(model: nn.Module, inputs: Tensor) -> list[str]:
             runs[-1].append(name)
         else:
             runs.append([name])
-    return ["+".join(r) for r in runs if len(r) > 1 and len(set(r)) == len(r)]
+    return [RUN_JOIN.join(r) for r in runs if len(r) > 1 and len(set(r)) == len(r)]
 
 
 def with_regions(sources: dict[str, str], regions: tuple[str, ...]) -> CompressionPlan:
     """Every conv of ``sources`` (conv -> the BatchNorm it reads through a ReLU) rebuilt from its
     BatchNorm (``from_bn``), BatchNorm's chunked backward, and ``regions`` recomputed: a conv whose
     BatchNorm is in a region keeps its input instead (a region keeps nothing to rebuild from)."""
-    inside = [n for r in regions for n in r.split("+")]
-
-    def recomputed(name: str) -> bool:
-        return any(name == r or name.startswith(f"{r}.") for r in inside)
-
-    rebuilt = {conv: "from_bn" for conv, norm in sources.items() if not recomputed(norm) and not recomputed(conv)}
+    rebuilt = {conv: "from_bn" for conv, norm in sources.items()
+               if not in_regions(norm, regions) and not in_regions(conv, regions)}
     return CompressionPlan(rebuilt, norm_storage="chunked", exact_companions=True, recompute=regions)
 
 
@@ -142,7 +139,7 @@ def _forward_seconds(model: nn.Module, inputs: Tensor, names: list[str]) -> dict
     took: dict[str, float] = dict.fromkeys(names, math.inf)
     hooks = []
     for name in names:
-        first, last = name.split("+")[0], name.split("+")[-1]
+        first, last = name.split(RUN_JOIN)[0], name.split(RUN_JOIN)[-1]
         hooks.append(model.get_submodule(first).register_forward_pre_hook(
             lambda m, a, n=name: started.__setitem__(n, time.perf_counter())))
         hooks.append(model.get_submodule(last).register_forward_hook(

@@ -19,12 +19,14 @@ Three things a plain checkpoint leaves to the user are handled here:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+RUN_JOIN = "+"  # joins the sibling modules of a recomputed run: "conv1+bn1+relu+maxpool"
 
 # Relative change of the output's sum of squares between the forward and its rerun that counts as
 # a different output (the same kernels on the same inputs agree to the bit on CPU; CUDA's
@@ -191,6 +193,12 @@ def _tensors(out: Any) -> Iterator[Tensor]:
     elif isinstance(out, dict):
         for o in out.values():
             yield from _tensors(o)
+
+
+def in_regions(name: str, regions: Iterable[str]) -> bool:
+    """Whether module ``name`` is one of ``regions`` (module names, or runs joined by ``RUN_JOIN``), a
+    run's member, or inside one of them."""
+    return any(name == m or name.startswith(f"{m}.") for r in regions for m in r.split(RUN_JOIN))
 
 
 def recomputed_modules(model: nn.Module) -> dict[str, nn.Module]:
