@@ -17,6 +17,7 @@ import random
 import re
 import statistics
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from compact_runs import by_seed, names, read
@@ -108,6 +109,18 @@ def diverged(metrics: dict) -> str | None:
     return "non-finite training loss (trained on to the end)" if loss is not None and not math.isfinite(loss) else None
 
 
+def costs(metrics: Iterable[dict]) -> dict:
+    """What a configuration's runs cost: the largest whole-step peak over stock's (None where the runs
+    predate that measurement) and the median over seeds of each run's median epoch in minutes (the
+    median: an epoch cut by an interruption and resumed is timed twice)."""
+    metrics = list(metrics)
+    peaks = [m["step_peak_ratio"] for m in metrics if m.get("step_peak_ratio") is not None]
+    epochs = [statistics.median(t) / 60 for m in metrics
+              if (t := [h["epoch_time_s"] for h in m.get("history", []) if "epoch_time_s" in h])]
+    return {"step_peak_ratio": max(peaks) if len(peaks) == len(metrics) else None,
+            "minutes_per_epoch": statistics.median(epochs) if epochs else None}
+
+
 def summarize(out: Path) -> dict:
     table = load_table(out)
     layout = layout_of(out, table)
@@ -136,7 +149,8 @@ def summarize(out: Path) -> dict:
             failed = {s: where for s in seeds if (where := diverged(runs[config][s]))}
             rows.append({"config": config, "home": info["home"], "uniform": info["uniform"], "seeds": seeds,
                          **({"diverged": failed} if failed else {}), key: values, "mean": statistics.fmean(values),
-                         "std": statistics.stdev(values) if len(values) > 1 else math.nan, "ratio": ratio, "fits": fits})
+                         "std": statistics.stdev(values) if len(values) > 1 else math.nan, "ratio": ratio, "fits": fits,
+                         **costs(runs[config].values())})
         # The reference: the best uniform option among those run on the most seeds (a config still
         # missing seeds would be ranked on fewer, luckier or unluckier, seeds).
         fitting = [r for r in rows if r["uniform"] and r["fits"]]
@@ -153,11 +167,11 @@ def summarize(out: Path) -> dict:
     if stock:
         values = [scale * m[layout["metric"]] for m in stock.values()]
         result["stock"] = {"seeds": sorted(stock), "mean": statistics.fmean(values),
-                           "std": statistics.stdev(values) if len(values) > 1 else math.nan}
+                           "std": statistics.stdev(values) if len(values) > 1 else math.nan, **costs(stock.values())}
     result = relative_to_repo(result)
     (out / "summary.json").write_text(json.dumps(result, indent=2))
     reports = {s["dir"]: read(out, f"{s['dir']}/report.md", table) for s in result["searches"]}
-    (out / "summary.md").write_text(markdown(result, layout, reports))
+    (out / "summary.md").write_text(markdown(result, relative_to_repo(layout), reports))
     plot_frontier(result, layout, out / "frontier.png")
     return result
 
@@ -188,17 +202,23 @@ def schedule(c: dict | None) -> str:
     if not c:
         return "unknown (no stock run)"
     opt, data, model = c.get("optimizer", {}), c.get("dataset", {}), c.get("model", {})
+    optimizer, scheduler = _named(opt), _named(c.get("scheduler", {}))
     if data.get("name", "cifar10") == "cifar10":
         images = (f"a balanced {data.get('train_subset')}-image CIFAR-10 subset" if data.get("train_subset")
                   else "all 50,000 CIFAR-10 training images")
         return (f"{model.get('name')}, {c.get('epochs')} epochs on {images}, batch {c.get('batch_size')}, "
-                f"{opt.get('name')} lr {opt.get('lr')}, {c.get('scheduler', {}).get('name')} schedule, full 10,000-image test set")
+                f"{optimizer} lr {opt.get('lr')}, {scheduler} schedule, full 10,000-image test set")
     lora = model.get("lora")
     tuned = (f"LoRA fine-tuning (r {lora.get('r')}, alpha {lora.get('lora_alpha')}) of {model.get('init_checkpoint')}, "
              if lora else "")
     return (f"{tuned}{model.get('name')}, {c.get('epochs')} epoch(s) of at most {c.get('max_steps_per_epoch')} steps "
-            f"on {data.get('name')} (blocks of {data.get('seq_len')}), batch {c.get('batch_size')}, {opt.get('name')} "
-            f"lr {opt.get('lr')}, {c.get('scheduler', {}).get('name')} schedule, {data.get('val_blocks')} validation blocks")
+            f"on {data.get('name')} (blocks of {data.get('seq_len')}), batch {c.get('batch_size')}, {optimizer} "
+            f"lr {opt.get('lr')}, {scheduler} schedule, {data.get('val_blocks')} validation blocks")
+
+
+def _named(group: dict) -> str | None:
+    """A config group's name: its ``name``, else its Hydra ``_target_``'s last part."""
+    return group.get("name") or (group.get("_target_") or "").rpartition(".")[2] or None
 
 
 def _ci(paired: dict) -> str:
@@ -213,13 +233,16 @@ def markdown(result: dict, layout: dict, reports: dict[str, str | None] | None =
     lines = [f"# {layout['title']}", "",
              f"Schedule: {result.get('schedule', 'unknown')}. Every configuration on the same seeds (paired); "
              f"{label}: {better}; p: two-sided paired t-test; 95% CI: bootstrap interval of the mean paired "
-             f"difference (seeds resampled). Commands: {layout['command']}.", ""]
+             f"difference (seeds resampled); step peak: the whole training step's peak over stock's; min/epoch: the "
+             f"median epoch as measured on a machine shared with other runs (not a speed comparison: "
+             f"benchmarks/speed.py times steps). Commands: {layout['command']}.", ""]
     if result.get("shared_runs"):
         lines += ["Runs trained once and shared with another study (same map, schedule and seed): "
                   + "; ".join(f"{run} ({source})" for run, source in result["shared_runs"].items()) + ".", ""]
     if "stock" in result:
         s = result["stock"]
-        lines += [f"Stock: {s['mean']:.2f} ± {_fmt(s['std'], '.2f')} {label} over seeds {s['seeds']}.", "",
+        minutes = f", {s['minutes_per_epoch']:.1f} minutes an epoch" if s.get("minutes_per_epoch") else ""
+        lines += [f"Stock: {s['mean']:.2f} ± {_fmt(s['std'], '.2f')} {label} over seeds {s['seeds']}{minutes}.", "",
                   "![memory vs metric frontier](frontier.png)", ""]
     if result.get("searches"):
         lines += ["## Menu searches (Optuna, one per budget)", "", layout["search_note"], "",
@@ -242,18 +265,19 @@ def markdown(result: dict, layout: dict, reports: dict[str, str | None] | None =
         if not data["rows"]:
             lines += ["No configuration of this proof was run at this budget.", ""]
             continue
-        lines += [f"| config | saved ratio | fits | seeds | {label} mean ± std | per seed | vs stock (paired) "
-                  "| vs best uniform (paired) | p | 95% CI |",
-                  "|---|---:|---|---|---:|---|---:|---:|---:|---|"]
+        lines += [f"| config | saved ratio | step peak | min/epoch | fits | seeds | {label} mean ± std | per seed "
+                  "| vs stock (paired) | p | 95% CI | vs best uniform (paired) | p | 95% CI |",
+                  "|---|---:|---:|---:|---|---|---:|---|---:|---:|---|---:|---:|---|"]
         for r in data["rows"]:
-            vs_u = r.get("vs_best_uniform", {})
+            vs_s, vs_u = r["vs_stock"], r.get("vs_best_uniform", {})
             marks = ["†" if seed in r.get("diverged", {}) else "" for seed in r["seeds"]]
             lines.append(
-                f"| {r['config']} | {r['ratio']:.3f} | {'yes' if r['fits'] else 'no'} | {len(r['seeds'])} | "
+                f"| {r['config']} | {r['ratio']:.3f} | {_fmt(r.get('step_peak_ratio'), '.3f')} | "
+                f"{_fmt(r.get('minutes_per_epoch'), '.1f')} | {'yes' if r['fits'] else 'no'} | {len(r['seeds'])} | "
                 f"{r['mean']:.2f} ± {_fmt(r['std'], '.2f')} | "
                 f"{', '.join(f'{v:.2f}{m}' for v, m in zip(r[key], marks, strict=True))} | "
-                f"{_fmt(r['vs_stock']['mean_diff'])} | {_fmt(vs_u.get('mean_diff', math.nan))} | "
-                f"{_fmt(vs_u.get('p', math.nan), '.3f')} | {_ci(vs_u)} |")
+                f"{_fmt(vs_s['mean_diff'])} | {_fmt(vs_s.get('p', math.nan), '.3f')} | {_ci(vs_s)} | "
+                f"{_fmt(vs_u.get('mean_diff', math.nan))} | {_fmt(vs_u.get('p', math.nan), '.3f')} | {_ci(vs_u)} |")
         lines += ["", f"Best uniform option that fits: {data['best_uniform']}.", ""]
         if failed := [f"{r['config']} seed {seed}: {where}" for r in data["rows"]
                       for seed, where in r.get("diverged", {}).items()]:

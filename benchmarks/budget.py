@@ -19,8 +19,11 @@ measured step against the profile's prediction (the peak model before any verifi
 Exact view (``--exact F [F ...]``, issue 44): at each fraction F of stock's whole-step peak,
 ``lessmem.fit(fidelity="exact")`` (measured peak, step time over stock's from the fit's alternating
 steps, the largest relative gradient difference to stock's on one step) and
-``lessmem.fit(fidelity="lossy")`` (the same, its step timed alternating with stock) beside
-``torch.utils.checkpoint`` on every block (peak, step time ratio, timed alternating with stock):
+``lessmem.fit(fidelity="lossy")`` (the same, its step timed alternating with stock) beside the
+fastest ``torch.utils.checkpoint`` placement whose measured peak fits (per block or per stage, the
+first k units of each, most saved bytes per second of forward first) and the compiled step with
+``activation_memory_budget`` at the fraction of stock's non-static bytes that targets the budget;
+every step time a median of steps alternating with stock's:
 
     python benchmarks/budget.py --model resnet18 --image-size 224 --batch 32 --exact 0.9 0.8 0.7 0.6 0.55
     python benchmarks/budget.py --plot-exact A.csv B.csv --plot docs/results/budget/exact.png   # the CSVs side by side
@@ -35,6 +38,7 @@ import dataclasses
 import os
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +50,8 @@ from lessmem.core import training_step
 from lessmem.models import build_model
 from lessmem.reporting import plot_batch_plan
 from lessmem.sensitivity import budget_profile, format_bytes, parse_bytes, plan_batches
-from lessmem.sensitivity.exact_fit import region_candidates
+from lessmem.sensitivity.exact_fit import forward_seconds, region_candidates
+from lessmem.sensitivity.fit import STATIC_CATEGORIES
 
 MIB = 2**20
 
@@ -89,13 +94,51 @@ def blocks(model: nn.Module) -> list[str]:
     return region_candidates(model)
 
 
-def checkpointed(model: nn.Module) -> nn.Module:
+def checkpointed(model: nn.Module, names: tuple[str, ...] | None = None) -> nn.Module:
+    """A copy with ``torch.utils.checkpoint`` around each named module (default: every block)."""
     net = copy.deepcopy(model)
-    for name in blocks(net):
+    for name in blocks(net) if names is None else names:
         module = net.get_submodule(name)
         forward = module.forward
         module.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
     return net
+
+
+def stages(model: nn.Module) -> list[str]:
+    """The blocks' parents that are ``nn.Sequential`` below the model (torchvision's ``layer1``,
+    MobileNet's ``features``): checkpointing a stage keeps its input alone and reruns all its blocks."""
+    parents = dict.fromkeys(b.rpartition(".")[0] for b in blocks(model) if "." in b)
+    return [p for p in parents if isinstance(model.get_submodule(p), nn.Sequential)]
+
+
+def placements(model: nn.Module, batch) -> dict[str, list[tuple[str, ...]]]:
+    """``torch.utils.checkpoint``'s placements, two ladders (per block, per stage), each the first
+    k units for every k, the unit that saves the most bytes per second of forward first (bytes: a
+    saved-tensor count with that unit checkpointed; seconds: its forward, least of four)."""
+    inputs = batch[0]
+    base = lessmem.measure_memory(copy.deepcopy(model).train(), inputs).total_bytes
+    ladders = {}
+    for ladder, units in (("block", blocks(model)), ("stage", stages(model))):
+        if units:
+            seconds = forward_seconds(copy.deepcopy(model).train(), inputs, units)
+            saved = {u: base - lessmem.measure_memory(checkpointed(model, (u,)).train(), inputs).total_bytes
+                     for u in units}
+            order = sorted(units, key=lambda u: -saved[u] / max(seconds[u], 1e-9))
+            ladders[ladder] = [tuple(order[:k]) for k in range(1, len(order) + 1)]
+    return ladders
+
+
+def fastest_checkpoint(ladders: dict[str, list[tuple[str, ...]]], peaks: dict[tuple[str, ...], int],
+                       times: dict[tuple[str, ...], float], budget: int,
+                       time_of: Callable[[tuple[str, ...]], float]) -> tuple[str, ...] | None:
+    """The fastest placement whose measured peak (``peaks``) fits ``budget``: on each ladder the
+    first that fits (more units, more reruns), those timed (``times`` caches) and compared."""
+    fitting = [next(p for p in ladder if peaks[p] <= budget)
+               for ladder in ladders.values() if any(peaks[p] <= budget for p in ladder)]
+    for names in fitting:
+        if names not in times:
+            times[names] = time_of(names)
+    return min(fitting, key=times.__getitem__, default=None)
 
 
 def compiled_budget(model: nn.Module, fraction: float) -> nn.Module:
@@ -236,19 +279,38 @@ def alternating_ratio(model: nn.Module, other: nn.Module, batch, loss_fn, steps:
 
 def exact(model: nn.Module, batch, loss_fn, args: argparse.Namespace) -> None:
     os.environ["LESSMEM_CACHE"] = tempfile.mkdtemp()
-    stock_peak = peak(copy.deepcopy(model).train(), batch, loss_fn)
+    stock = copy.deepcopy(model).train()
+    report = lessmem.measure_step_memory(stock, batch, optimizer=sgd(stock.parameters()), loss_fn=loss_fn)
+    stock_peak = report.peak_bytes
+    static = sum(report.by_category.get(c, 0) for c in STATIC_CATEGORIES)
     reference = grads_of(copy.deepcopy(model).train(), batch, loss_fn)
-    ck = checkpointed(model).train()
-    ck_peak = peak(ck, batch, loss_fn)
-    ck_ratio = alternating_ratio(copy.deepcopy(model).train(), ck, batch, loss_fn, args.steps)
-    print(f"{args.model} b{args.batch}: stock peak {stock_peak / MIB:.1f} MiB; checkpoint every block "
-          f"({len(blocks(model))}): peak {ck_peak / MIB:.1f} MiB = {ck_peak / stock_peak:.3f}x, step {ck_ratio:.2f}x stock",
-          flush=True)
+    ladders = placements(model, batch)
+    ck_peaks = {p: peak(checkpointed(model, p).train(), batch, loss_fn) for ladder in ladders.values() for p in ladder}
+    ck_times: dict[tuple[str, ...], float] = {}
+
+    def ck_time(names: tuple[str, ...]) -> float:
+        return alternating_ratio(copy.deepcopy(model).train(), checkpointed(model, names).train(), batch, loss_fn, args.steps)
+
+    print(f"{args.model} b{args.batch}: stock peak {stock_peak / MIB:.1f} MiB; checkpoint placements: "
+          + "; ".join(f"per {k}: {len(v)}, peaks {min(ck_peaks[p] for p in v) / stock_peak:.3f}-"
+                      f"{max(ck_peaks[p] for p in v) / stock_peak:.3f}x" for k, v in ladders.items()), flush=True)
     rows = []
     for fraction in args.exact:
         budget = int(fraction * stock_peak)
-        row: dict = {"fraction": fraction, "budget_mib": budget / MIB, "stock_peak_mib": stock_peak / MIB,
-                     "checkpoint_peak_ratio": ck_peak / stock_peak, "checkpoint_step_ratio": ck_ratio}
+        row: dict = {"fraction": fraction, "budget_mib": budget / MIB, "stock_peak_mib": stock_peak / MIB}
+        best = fastest_checkpoint(ladders, ck_peaks, ck_times, budget, ck_time)
+        if best is None:
+            row["checkpoint"] = f"none fits (floor {min(ck_peaks.values()) / stock_peak:.3f}x)"
+        else:
+            row.update(checkpoint_ladder=next(k for k, v in ladders.items() if best in v), checkpoint_units=len(best),
+                       checkpoint_peak_ratio=ck_peaks[best] / stock_peak, checkpoint_step_ratio=ck_times[best])
+        if not args.no_compile:
+            target = min(1.0, max(0.0, (budget - static) / (stock_peak - static)))
+            net = compiled_budget(model, target).train()
+            error = max_relative_error(grads_of(net, batch, loss_fn), reference)  # its first call compiles
+            row.update(compile_fraction=target, compile_peak_ratio=peak(net, batch, loss_fn) / stock_peak,
+                       compile_step_ratio=alternating_ratio(copy.deepcopy(model).train(), net, batch, loss_fn, args.steps),
+                       compile_max_rel_grad_error=error)
         try:
             fitted = lessmem.fit(model, batch, budget, optimizer=sgd, loss_fn=loss_fn, fidelity="exact")
         except lessmem.sensitivity.NoFit as e:
@@ -280,29 +342,31 @@ def exact(model: nn.Module, batch, loss_fn, args: argparse.Namespace) -> None:
 
 def plot_exact(paths: list[str], out: str) -> None:
     """Per CSV of the exact view, one panel: whole-step peak (x stock's) against the budget for the
-    exact plan, the lossy plan and checkpointing every block, each point labelled with its step time."""
+    exact plan, the lossy plan, the fastest checkpoint placement that fits and the compiled step,
+    each point labelled with its step time."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(paths), figsize=(4.6 * len(paths), 4), squeeze=False)
+    kinds = (("exact", "o-", "lessmem exact"), ("lossy", "s--", "lessmem lossy"),
+             ("checkpoint", "^-.", "torch.utils.checkpoint (fastest fitting placement)"),
+             ("compile", "d:", "torch.compile activation_memory_budget"))
+    fig, axes = plt.subplots(1, len(paths), figsize=(4.8 * len(paths), 4.4), squeeze=False)
     for ax, path in zip(axes[0], paths, strict=True):
         with open(path, newline="") as f:
             rows = [{k: v for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
         budgets = [float(r["fraction"]) for r in rows]
-        ax.plot(budgets, budgets, "k:", label="budget")
-        for kind, marker in (("exact", "o-"), ("lossy", "s--")):
+        ax.plot(budgets, budgets, "k:", lw=0.8, label="budget")
+        for i, (kind, marker, label) in enumerate(kinds):
             points = [(float(r["fraction"]), float(r[f"{kind}_peak_ratio"]), float(r[f"{kind}_step_ratio"]))
                       for r in rows if f"{kind}_peak_ratio" in r]
             if points:
-                line, = ax.plot([b for b, _, _ in points], [q for _, q, _ in points], marker, label=f"lessmem {kind}")
+                line, = ax.plot([b for b, _, _ in points], [q for _, q, _ in points], marker, label=label)
                 for b, q, t in points:
-                    ax.annotate(f"{t:.2f}x", (b, q), textcoords="offset points", xytext=(4, -10 if kind == "lossy" else 4),
-                                fontsize=7, color=line.get_color())
-        ck = float(rows[0]["checkpoint_peak_ratio"])
-        ax.axhline(ck, color="grey", ls="--", label=f"checkpoint every block ({float(rows[0]['checkpoint_step_ratio']):.2f}x)")
+                    ax.annotate(f"{t:.2f}x", (b, q), textcoords="offset points", xytext=(4, 6 - 6 * i),
+                                fontsize=6, color=line.get_color())
         ax.set(xlabel="budget (x stock's whole-step peak)", ylabel="measured peak (x stock's)",
                title=os.path.basename(path).removesuffix(".csv"))
         ax.invert_xaxis()
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6)
     fig.suptitle("Exact under a budget: peak, step time over stock's beside each point")
     fig.tight_layout()
     fig.savefig(out, dpi=120)

@@ -164,9 +164,10 @@ def test_zoo_benchmark_prints_a_ratio_beside_the_issues(stdout_of) -> None:
 def test_budget_benchmark_exact_view_csv_and_plot(tmp_path: Path, stdout_of) -> None:
     csv_path, png = tmp_path / "resnet20.csv", tmp_path / "exact.png"
     out = stdout_of("budget.py", "--model", "resnet20", "--image-size", "32", "--batch", "16", "--steps", "1",
-                    "--exact", "0.8", "0.1", "--csv", str(csv_path))
-    assert re.search(r"^resnet20 b16: stock peak [\d.]+ MiB; checkpoint every block \(9\): peak", out, re.M), out
+                    "--exact", "0.8", "0.1", "--no-compile", "--csv", str(csv_path))
+    assert re.search(r"^resnet20 b16: stock peak [\d.]+ MiB; checkpoint placements: per block: 9, .*; per stage: 3", out, re.M), out
     fits, nothing = list(csv.DictReader(csv_path.open()))
     assert float(fits["exact_peak_ratio"]) <= 0.8 and float(fits["exact_max_rel_grad_error"]) < 1e-5
-    assert "no exact plan fits" in nothing["exact"]
+    assert float(fits["checkpoint_peak_ratio"]) <= 0.8 and fits["checkpoint_ladder"] in ("block", "stage")
+    assert "no exact plan fits" in nothing["exact"] and nothing["checkpoint"].startswith("none fits (floor")
     assert "wrote" in stdout_of("budget.py", "--plot-exact", str(csv_path), "--plot", str(png)) and png.stat().st_size > 0

@@ -162,7 +162,7 @@ PUBLISHED = {"budget_proof": "proof_summary", "budget_proof_long": "proof_summar
              "proof_tiny_llama_05": "proof_summary", "proof_resnet20_0125": "proof_summary",
              "proof_resnet20_005": "proof_summary", "proof_tiny_llama_lr1e3": "proof_summary",
              "proof_tiny_llama_012_lr1e3": "proof_summary", "proof_resnet20_xhat": "proof_summary",
-             "criterion_check_lm": "criterion_summary"}
+             "criterion_check_lm": "criterion_summary", "proof_lora": "proof_summary"}
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +272,8 @@ def test_criterion_check_trains_each_distinct_map_once() -> None:
 def write_lm_run(out: Path, config: str, seed: int, ppl: float, ratio: float) -> None:
     run = out / "runs" / config / f"seed{seed}"
     run.mkdir(parents=True)
-    (run / "metrics.json").write_text(json.dumps({"final_val_ppl": ppl, "ratio": ratio}))
+    (run / "metrics.json").write_text(json.dumps({"final_val_ppl": ppl, "ratio": ratio, "step_peak_ratio": 0.5 + ratio / 2,
+                                                  "history": [{"epoch_time_s": 60.0 + 30 * seed}]}))
 
 
 def test_proof_summary_of_a_language_model_reads_lower_perplexity_as_better(tmp_path: Path) -> None:
@@ -299,7 +300,8 @@ def test_proof_summary_of_a_language_model_reads_lower_perplexity_as_better(tmp_
     assert lo <= vs["mean_diff"] <= hi < 0
     assert chosen["vs_stock"]["rel_pct"] == pytest.approx(100 * 0.125 / 8.3875)
     md = (tmp_path / "summary.md").read_text()
-    assert "val_ppl: lower is better" in md and "| chosen_0.5 | 0.490 | yes | 4 |" in md
+    assert "val_ppl: lower is better" in md and "| chosen_0.5 | 0.490 | 0.745 | 1.8 | yes | 4 |" in md  # minutes: median of 1, 1.5, 2, 2.5
+    assert "1.8 minutes an epoch" in md and chosen["step_peak_ratio"] == pytest.approx(0.745)
 
 
 @pytest.mark.slow

@@ -117,7 +117,7 @@ def region_costs(model: nn.Module, inputs: Tensor, sources: dict[str, str], scal
     compress(net, with_regions(sources, ()))
     base_bytes = measure_memory(net, inputs).total_bytes
     candidates = [*run_candidates(net, inputs), *region_candidates(model)]
-    seconds = _forward_seconds(net, inputs, candidates)
+    seconds = forward_seconds(net, inputs, candidates)
     costs = []
     for name in candidates:
         try:
@@ -131,7 +131,7 @@ def region_costs(model: nn.Module, inputs: Tensor, sources: dict[str, str], scal
     return sorted(costs, key=lambda c: -c.bytes_per_second)
 
 
-def _forward_seconds(model: nn.Module, inputs: Tensor, names: list[str]) -> dict[str, float]:
+def forward_seconds(model: nn.Module, inputs: Tensor, names: list[str]) -> dict[str, float]:
     """Each named region's forward time: the least over ``1 + TIMED_FORWARDS`` training-mode forwards
     (a busy machine's stalls and the first call's warm-up are not the region's); a run's from its
     first layer's start to its last one's end."""
