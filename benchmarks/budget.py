@@ -36,9 +36,9 @@ import copy
 import csv
 import dataclasses
 import os
+import statistics
 import tempfile
 import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +46,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import lessmem
-from lessmem.core import training_step
+from lessmem.core import alternating_step_times, training_step
 from lessmem.models import build_model
 from lessmem.reporting import plot_batch_plan
 from lessmem.sensitivity import budget_profile, format_bytes, parse_bytes, plan_batches
@@ -54,6 +54,7 @@ from lessmem.sensitivity.exact_fit import forward_seconds, region_candidates
 from lessmem.sensitivity.fit import STATIC_CATEGORIES
 
 MIB = 2**20
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 
 
 def sgd(params):
@@ -128,17 +129,12 @@ def placements(model: nn.Module, batch) -> dict[str, list[tuple[str, ...]]]:
     return ladders
 
 
-def fastest_checkpoint(ladders: dict[str, list[tuple[str, ...]]], peaks: dict[tuple[str, ...], int],
-                       times: dict[tuple[str, ...], float], budget: int,
-                       time_of: Callable[[tuple[str, ...]], float]) -> tuple[str, ...] | None:
-    """The fastest placement whose measured peak (``peaks``) fits ``budget``: on each ladder the
-    first that fits (more units, more reruns), those timed (``times`` caches) and compared."""
-    fitting = [next(p for p in ladder if peaks[p] <= budget)
-               for ladder in ladders.values() if any(peaks[p] <= budget for p in ladder)]
-    for names in fitting:
-        if names not in times:
-            times[names] = time_of(names)
-    return min(fitting, key=times.__getitem__, default=None)
+def fitting_placements(ladders: dict[str, list[tuple[str, ...]]], peaks: dict[tuple[str, ...], int],
+                       budget: int) -> list[tuple[str, ...]]:
+    """On each ladder the first placement whose measured peak (``peaks``) fits ``budget``: the one
+    with the fewest units, so the fewest reruns; the caller times them and keeps the faster."""
+    return [next(p for p in ladder if peaks[p] <= budget) for ladder in ladders.values()
+            if any(peaks[p] <= budget for p in ladder)]
 
 
 def compiled_budget(model: nn.Module, fraction: float) -> nn.Module:
@@ -164,6 +160,8 @@ def main() -> None:
     p.add_argument("--curve", type=int, default=0, help="N maps' measured peaks against the profile's prediction instead")
     p.add_argument("--exact", type=float, nargs="+", help="fractions of stock's peak: the exact view instead")
     p.add_argument("--plot-exact", nargs="+", metavar="CSV", help="plot exact views' CSVs side by side (--plot) and stop")
+    p.add_argument("--clock", choices=tuple(CLOCKS), default="cpu",
+                   help="the exact view's step clock: process CPU time (steadier on a shared machine) or wall")
     p.add_argument("--csv")
     p.add_argument("--plot")
     args = p.parse_args()
@@ -264,20 +262,18 @@ def max_elementwise_error(grads: list[torch.Tensor], reference: list[torch.Tenso
     return max(float((g - r).abs().max() / r.abs().max().clamp_min(1e-30)) for g, r in zip(grads, reference, strict=True))
 
 
-def alternating_ratio(model: nn.Module, other: nn.Module, batch, loss_fn, steps: int) -> float:
-    """The median step time of ``other`` over ``model``'s, their steps alternating (one untimed each first)."""
-    times: dict[int, list[float]] = {0: [], 1: []}
-    opts = [sgd(model.parameters()), sgd(other.parameters())]
-    for i in range(steps + 1):
-        for k, net in enumerate((model, other)):
-            start = time.perf_counter()
-            training_step(net, batch, opts[k], loss_fn)
-            if i:
-                times[k].append(time.perf_counter() - start)
-    return sorted(times[1])[len(times[1]) // 2] / sorted(times[0])[len(times[0]) // 2]
+def step_ratios(stock: nn.Module, others: list[nn.Module], batch, loss_fn, steps: int, clock: str) -> list[float]:
+    """Each of ``others``' median step time over ``stock``'s, all their steps taking turns."""
+    nets = [stock, *others]
+    opts = [sgd(net.parameters()) for net in nets]
+    calls = [lambda n=n, o=o: training_step(n, batch, o, loss_fn) for n, o in zip(nets, opts, strict=True)]
+    medians = [statistics.median(t) for t in alternating_step_times(calls, steps, clock=CLOCKS[clock])]
+    return [m / medians[0] for m in medians[1:]]
 
 
 def exact(model: nn.Module, batch, loss_fn, args: argparse.Namespace) -> None:
+    """The exact view (module docstring): per budget one round of alternating steps times stock,
+    the exact plan, the lossy plan, the fitting checkpoint placements and the compiled step."""
     os.environ["LESSMEM_CACHE"] = tempfile.mkdtemp()
     stock = copy.deepcopy(model).train()
     report = lessmem.measure_step_memory(stock, batch, optimizer=sgd(stock.parameters()), loss_fn=loss_fn)
@@ -286,11 +282,6 @@ def exact(model: nn.Module, batch, loss_fn, args: argparse.Namespace) -> None:
     reference = grads_of(copy.deepcopy(model).train(), batch, loss_fn)
     ladders = placements(model, batch)
     ck_peaks = {p: peak(checkpointed(model, p).train(), batch, loss_fn) for ladder in ladders.values() for p in ladder}
-    ck_times: dict[tuple[str, ...], float] = {}
-
-    def ck_time(names: tuple[str, ...]) -> float:
-        return alternating_ratio(copy.deepcopy(model).train(), checkpointed(model, names).train(), batch, loss_fn, args.steps)
-
     print(f"{args.model} b{args.batch}: stock peak {stock_peak / MIB:.1f} MiB; checkpoint placements: "
           + "; ".join(f"per {k}: {len(v)}, peaks {min(ck_peaks[p] for p in v) / stock_peak:.3f}-"
                       f"{max(ck_peaks[p] for p in v) / stock_peak:.3f}x" for k, v in ladders.items()), flush=True)
@@ -298,27 +289,15 @@ def exact(model: nn.Module, batch, loss_fn, args: argparse.Namespace) -> None:
     for fraction in args.exact:
         budget = int(fraction * stock_peak)
         row: dict = {"fraction": fraction, "budget_mib": budget / MIB, "stock_peak_mib": stock_peak / MIB}
-        best = fastest_checkpoint(ladders, ck_peaks, ck_times, budget, ck_time)
-        if best is None:
-            row["checkpoint"] = f"none fits (floor {min(ck_peaks.values()) / stock_peak:.3f}x)"
-        else:
-            row.update(checkpoint_ladder=next(k for k, v in ladders.items() if best in v), checkpoint_units=len(best),
-                       checkpoint_peak_ratio=ck_peaks[best] / stock_peak, checkpoint_step_ratio=ck_times[best])
-        if not args.no_compile:
-            target = min(1.0, max(0.0, (budget - static) / (stock_peak - static)))
-            net = compiled_budget(model, target).train()
-            error = max_relative_error(grads_of(net, batch, loss_fn), reference)  # its first call compiles
-            row.update(compile_fraction=target, compile_peak_ratio=peak(net, batch, loss_fn) / stock_peak,
-                       compile_step_ratio=alternating_ratio(copy.deepcopy(model).train(), net, batch, loss_fn, args.steps),
-                       compile_max_rel_grad_error=error)
+        timed: dict[str, nn.Module] = {}
         try:
             fitted = lessmem.fit(model, batch, budget, optimizer=sgd, loss_fn=loss_fn, fidelity="exact")
         except lessmem.sensitivity.NoFit as e:
             row["exact"] = str(e)
         else:
-            net = lessmem.compress(copy.deepcopy(model).train(), fitted.plan)
-            grads = grads_of(net, batch, loss_fn)
-            row.update(exact_peak_ratio=fitted.step_peak_bytes / stock_peak, exact_step_ratio=fitted.step_time_ratio,
+            timed["exact"] = lessmem.compress(copy.deepcopy(model).train(), fitted.plan)
+            grads = grads_of(timed["exact"], batch, loss_fn)
+            row.update(exact_peak_ratio=fitted.step_peak_bytes / stock_peak, exact_fit_step_ratio=fitted.step_time_ratio,
                        exact_max_rel_grad_error=max_relative_error(grads, reference),
                        exact_max_elementwise_error=max_elementwise_error(grads, reference),
                        recomputed=len(fitted.plan.recompute), floor_ratio=fitted.floor_step_peak_bytes / stock_peak)
@@ -327,10 +306,28 @@ def exact(model: nn.Module, batch, loss_fn, args: argparse.Namespace) -> None:
         except lessmem.sensitivity.NoFit as e:
             row["lossy"] = str(e)
         else:
-            net = lessmem.compress(copy.deepcopy(model).train(), lossy.plan)
-            error = max_relative_error(grads_of(net, batch, loss_fn), reference)  # before its timed steps move it
-            row.update(lossy_peak_ratio=lossy.step_peak_bytes / stock_peak, lossy_max_rel_grad_error=error,
-                       lossy_step_ratio=alternating_ratio(copy.deepcopy(model).train(), net, batch, loss_fn, args.steps))
+            timed["lossy"] = lessmem.compress(copy.deepcopy(model).train(), lossy.plan)
+            row.update(lossy_peak_ratio=lossy.step_peak_bytes / stock_peak,
+                       lossy_max_rel_grad_error=max_relative_error(grads_of(timed["lossy"], batch, loss_fn), reference))
+        fitting = fitting_placements(ladders, ck_peaks, budget)
+        if not fitting:
+            row["checkpoint"] = f"none fits (floor {min(ck_peaks.values()) / stock_peak:.3f}x)"
+        timed |= {f"checkpoint {i}": checkpointed(model, p).train() for i, p in enumerate(fitting)}
+        if not args.no_compile:
+            target = min(1.0, max(0.0, (budget - static) / (stock_peak - static)))
+            timed["compile"] = compiled_budget(model, target).train()
+            error = max_relative_error(grads_of(timed["compile"], batch, loss_fn), reference)  # its first call compiles
+            row.update(compile_fraction=target, compile_peak_ratio=peak(timed["compile"], batch, loss_fn) / stock_peak,
+                       compile_max_rel_grad_error=error)
+        ratios = dict(zip(timed, step_ratios(copy.deepcopy(model).train(), list(timed.values()), batch, loss_fn,
+                                             args.steps, args.clock), strict=True))
+        for kind in ("exact", "lossy", "compile"):
+            if kind in ratios:
+                row[f"{kind}_step_ratio"] = ratios[kind]
+        if fitting:
+            i, best = min(enumerate(fitting), key=lambda ip: ratios[f"checkpoint {ip[0]}"])
+            row.update(checkpoint_ladder=next(k for k, v in ladders.items() if best in v), checkpoint_units=len(best),
+                       checkpoint_peak_ratio=ck_peaks[best] / stock_peak, checkpoint_step_ratio=ratios[f"checkpoint {i}"])
         rows.append(row)
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     if args.csv:

@@ -38,7 +38,7 @@ import torch
 import torchvision
 
 import lessmem
-from lessmem.core import parse_spec
+from lessmem.core import alternating_step_times, parse_spec
 from lessmem.core.storage import STORAGES
 from lessmem.experiment.compression import parse_map_string
 
@@ -125,13 +125,9 @@ def main() -> None:
         y = torch.randint(0, 10, (args.batch,))
 
     clock = CLOCKS[args.clock]
-    times: dict[str, list[float]] = {n: [] for n in models}
-    for i in range(args.warmup + args.repeats):
-        for name, model in models.items():  # alternate configurations every step
-            t0 = clock()
-            train_step(model, optimizers[name], x, y)
-            if i >= args.warmup:
-                times[name].append(clock() - t0)
+    steps = [lambda m=m, o=optimizers[n]: train_step(m, o, x, y) for n, m in models.items()]
+    times = dict(zip(models, alternating_step_times(steps, args.repeats, warmup=args.warmup, clock=clock),
+                     strict=True))
 
     base = statistics.median(times["stock"])
     mode = "torch.compile" if args.compile else "eager"

@@ -30,6 +30,7 @@ from lessmem.core.spec import FROM_NORM, LayerSpec, parse_spec
 from lessmem.core.step_memory import (
     FIXED_MMAP_ENV,
     StepMemoryReport,
+    alternating_step_times,
     measure_step_memory,
     peak_rss_growth,
     track_step_memory,
@@ -59,6 +60,7 @@ __all__ = [
     "LayerSpec",
     "MemoryReport",
     "StepMemoryReport",
+    "alternating_step_times",
     "build_cpu_kernels",
     "compress",
     "compressed_layers",

@@ -18,10 +18,11 @@ from __future__ import annotations
 import os
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from time import perf_counter
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +93,30 @@ def training_step(
         with record_function(_PHASE_LABEL + "optimizer_step"):
             optimizer.step()
     return loss.detach()
+
+
+def alternating_step_times(steps: Sequence[Callable[[], object]], repeats: int, *, warmup: int = 1,
+                           clock: Callable[[], float] = perf_counter, device: torch.device | None = None,
+                           before: Sequence[Callable[[], object]] | None = None) -> list[list[float]]:
+    """Each of ``steps`` (callables running one training step) timed ``repeats`` times, taking turns
+    after ``warmup`` untimed rounds: a shared machine's noise hits every one alike, and the ratio of
+    their medians is the figure to read. ``before[k]`` runs untimed before each call of ``steps[k]``
+    (one model recompressed between plans); on a CUDA ``device`` each step is synchronized around."""
+    cuda = device is not None and device.type == "cuda"
+    times: list[list[float]] = [[] for _ in steps]
+    for i in range(warmup + repeats):
+        for k, step in enumerate(steps):
+            if before is not None:
+                before[k]()
+            if cuda:
+                torch.cuda.synchronize(device)
+            start = clock()
+            step()
+            if cuda:
+                torch.cuda.synchronize(device)
+            if i >= warmup:
+                times[k].append(clock() - start)
+    return times
 
 
 def measure_step_memory(

@@ -28,7 +28,6 @@ import logging
 import math
 import os
 import statistics
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ from torch import Tensor, nn
 
 from lessmem.core import (
     CompressionPlan,
+    alternating_step_times,
     compress,
     load_rounding_state,
     measure_step_memory,
@@ -365,24 +365,18 @@ class _Stepper:
     def time_ratio(self, plan: CompressionPlan, repeats: int = TIMED_STEPS) -> float:
         """The median step time of ``plan`` over stock's, their steps alternating (one untimed of each first)."""
         device = self.batch[0].device
-        times: dict[bool, list[float]] = {False: [], True: []}
+
+        def step() -> object:
+            return training_step(self.net, self.batch, self.opt, self.loss_fn, self.amp_dtype)
+
         state = rounding_state()
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                for i in range(repeats + 1):
-                    for planned in (False, True):
-                        self._apply(plan if planned else None)
-                        if device.type == "cuda":
-                            torch.cuda.synchronize(device)
-                        start = time.perf_counter()
-                        training_step(self.net, self.batch, self.opt, self.loss_fn, self.amp_dtype)
-                        if device.type == "cuda":
-                            torch.cuda.synchronize(device)
-                        if i:
-                            times[planned].append(time.perf_counter() - start)
+                stock, planned = alternating_step_times([step, step], repeats, device=device,
+                                                        before=[lambda: self._apply(None), lambda: self._apply(plan)])
         finally:
             load_rounding_state(state)
-        return statistics.median(times[True]) / statistics.median(times[False])
+        return statistics.median(planned) / statistics.median(stock)
 
     def peak(self, plan: CompressionPlan | None):
         warmup = self._apply(plan)
