@@ -35,13 +35,22 @@ from lessmem.experiment import fixed_batches, load_checkpoint, model_spec, task_
 from lessmem.sensitivity import MenuResult
 
 
+def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters a step updates (a LoRA model's adapters; every parameter of a full run)."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
 def groups(model: nn.Module) -> dict[str, list[int]]:
-    """Parameter indices per group: BatchNorm weight and bias, and the rest (conv / linear)."""
+    """Trainable parameter indices per group: BatchNorm weight and bias, LoRA adapters by projection
+    and side (``q_proj.lora_A``), and the rest (conv / linear); empty groups left out."""
     norm = {id(p) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for p in m.parameters()}
     out: dict[str, list[int]] = {"conv / linear": [], "batchnorm": []}
-    for i, p in enumerate(model.parameters()):
-        out["batchnorm" if id(p) in norm else "conv / linear"].append(i)
-    return out
+    for i, (name, p) in enumerate(trainable(model)):
+        parts = name.split(".")
+        lora = next((k for k, part in enumerate(parts) if part.startswith("lora_")), None)
+        key = "batchnorm" if id(p) in norm else f"{parts[lora - 1]}.{parts[lora]}" if lora else "conv / linear"
+        out.setdefault(key, []).append(i)
+    return {k: v for k, v in out.items() if v}
 
 
 def gradients(model: nn.Module, batches: list[tuple[Tensor, Tensor]], loss_fn: nn.Module) -> list[list[Tensor]]:
@@ -49,7 +58,7 @@ def gradients(model: nn.Module, batches: list[tuple[Tensor, Tensor]], loss_fn: n
     for x, y in batches:
         model.zero_grad()
         loss_fn(model(x), y).backward()
-        out.append([p.grad.detach().double().clone() for p in model.parameters()])
+        out.append([p.grad.detach().double().clone() for _, p in trainable(model)])
     return out
 
 

@@ -36,6 +36,7 @@ import copy
 import csv
 import dataclasses
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -335,6 +336,30 @@ def exact(model: nn.Module, batch, loss_fn, args: argparse.Namespace) -> None:
             writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
             writer.writeheader()
             writer.writerows(rows)
+    print(exact_table(rows))
+
+
+def exact_table(rows: list[dict]) -> str:
+    """The exact view's rows as a markdown table (ratios to stock's peak and step)."""
+    def cell(r: dict, key: str, spec: str = ".3f", suffix: str = "") -> str:
+        return f"{float(r[key]):{spec}}{suffix}" if r.get(key) not in (None, "") else ""
+
+    lines = ["| budget | exact peak | exact step | exact grad error | regions | checkpoint peak | checkpoint step "
+             "| checkpoint units | compiled fraction | compiled peak | compiled step | compiled grad error "
+             "| lossy peak | lossy step | lossy grad error |", "|" + "---:|" * 15]
+    for r in rows:
+        exact_peak = cell(r, "exact_peak_ratio")
+        if not exact_peak and (floor := re.search(r"peaks at ([\d.]+)MiB", r.get("exact", ""))):
+            exact_peak = f"none (floor {float(floor[1]) / float(r['stock_peak_mib']):.3f})"
+        units = f"{r['checkpoint_units']} {r['checkpoint_ladder']}" if r.get("checkpoint_units") else "none fits"
+        lines.append(f"| {float(r['fraction']):.2f}x | {exact_peak} | {cell(r, 'exact_step_ratio', '.2f', 'x')} "
+                     f"| {cell(r, 'exact_max_rel_grad_error', '.1e')} | {r.get('recomputed', '')} "
+                     f"| {cell(r, 'checkpoint_peak_ratio')} | {cell(r, 'checkpoint_step_ratio', '.2f', 'x')} | {units} "
+                     f"| {cell(r, 'compile_fraction', '.2f')} | {cell(r, 'compile_peak_ratio')} "
+                     f"| {cell(r, 'compile_step_ratio', '.2f', 'x')} | {cell(r, 'compile_max_rel_grad_error', '.1e')} "
+                     f"| {cell(r, 'lossy_peak_ratio') or 'none fits'} | {cell(r, 'lossy_step_ratio', '.2f', 'x')} "
+                     f"| {cell(r, 'lossy_max_rel_grad_error', '.1e')} |")
+    return "\n".join(lines)
 
 
 def plot_exact(paths: list[str], out: str) -> None:
@@ -350,6 +375,7 @@ def plot_exact(paths: list[str], out: str) -> None:
     for ax, path in zip(axes[0], paths, strict=True):
         with open(path, newline="") as f:
             rows = [{k: v for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
+        print(f"{path}:\n{exact_table(rows)}")
         budgets = [float(r["fraction"]) for r in rows]
         ax.plot(budgets, budgets, "k:", lw=0.8, label="budget")
         for i, (kind, marker, label) in enumerate(kinds):
