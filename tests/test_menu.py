@@ -14,6 +14,7 @@ warmed-up weights."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import math
@@ -547,3 +548,61 @@ def test_sensitivity_cli_measures_the_lm_menu_after_warm_up(tmp_path: Path, run_
     metrics = run(compose_config([*tiny_lm, f"compression.map_file={generated}", f"out_dir={tmp_path / 'run'}"]))
     assert math.isfinite(metrics["final_val_ppl"])
     assert metrics["ratio"] <= 0.3 + 1e-9
+
+
+def test_menu_recompute_options_predict_bytes_and_trade_time_for_error() -> None:
+    """menu.recompute: each decoder layer (and run of layers) offered with measured bytes and
+    seconds; a map with regions recomputed predicts measure_memory's bytes byte for byte, its
+    items there keep nothing and add no error; under a byte budget that int8 codes alone cannot
+    reach, regions make it, within max_step_ratio only; a plan recomputing an unmeasured region
+    is refused by name; regions survive the menu file."""
+    torch.manual_seed(0)
+    model = build_model("tiny_llama", num_classes=64, hidden_size=32, intermediate_size=96, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2).train()
+    x, y = torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32))
+    loss = lambda out, t: F.cross_entropy(out.reshape(-1, out.shape[-1]), t.reshape(-1))  # noqa: E731
+    options = MenuOptions(kernels=(1,), storages=("native", "int8"), norm_storages=(), act_storages=("int8",),
+                          saved_storages=("int8",), recompute=True)
+    menu = measure_menu(model, [(x, y)], options, loss_fn=loss)
+    layers = [f"lm.model.layers.{i}" for i in range(4)]
+    assert set(layers) <= {r.name for r in menu.regions} and menu.meta["step_seconds"] > 0
+    assert all(r.freed_bytes > 0 and r.seconds > 0 for r in menu.regions if r.name in layers)
+    codes_only = menu.least_ratio()
+    with pytest.raises(ValueError, match="no map fits"):
+        menu.make_map(0.9 * codes_only)
+    chosen = menu.make_map(0.9 * codes_only, max_step_ratio=10.0)
+    assert chosen.plan.recompute and chosen.score["ratio"] <= 0.9 * codes_only
+    assert 1.0 < chosen.score["step_ratio"] <= 10.0
+    for k in range(4):  # byte for byte while a tensor shared by every layer stays kept
+        plan = dataclasses.replace(chosen.plan, recompute=tuple(layers[:k]))
+        assert menu.score(plan)["bytes"] == lessmem.measure_memory(lessmem.compress(copy.deepcopy(model), plan), x).total_bytes
+    # Every layer recomputed: the rotary tables all attentions save once are gone too; the menu,
+    # which counts them with the layers' shared unit, can only overstate.
+    measured = lessmem.measure_memory(lessmem.compress(copy.deepcopy(model), chosen.plan), x).total_bytes
+    assert measured <= chosen.score["bytes"] <= 1.05 * measured
+    everywhere = menu.uniform_choice("int8", act="int8", saved="int8").score
+    assert chosen.score["tensor_error"] < everywhere["tensor_error"]  # the recomputed layers' share is gone
+    tight = menu.recompute_ladder(1.0 + menu.regions[0].seconds / menu.meta["step_seconds"] / 2)
+    assert tight == [[]]  # not even one region's rerun fits that step
+    with pytest.raises(ValueError, match="did not measure"):
+        menu.score(CompressionPlan(recompute=("lm.model.layers.0.mlp",)))
+    again = MenuResult.from_dict(json.loads(json.dumps(menu.to_dict())))
+    assert again.make_map(0.9 * codes_only, max_step_ratio=10.0).plan == chosen.plan
+
+
+def test_menu_does_not_offer_regions_that_split_a_rebuilt_input(joint_menu: MenuResult) -> None:
+    """A region holding a BatchNorm but not the conv that rebuilds its input from it (a ResNet's
+    stem before layer1.0.conv1) is not offered: from_bn would have nothing to rebuild from."""
+    options = MenuOptions(kernels=(1, 2), storages=("native", "int8"), norm_storages=("int8",), recompute=True)
+    menu = measure_menu(tiny_cnn().train(), batches(1), options)
+    pairs = [(i.name, i.partner) for i in menu.items if i.kind == "norm_conv"]
+    assert pairs and menu.regions
+    for r in menu.regions:
+        members = r.name.split("+")
+        for conv, norm in pairs:
+            assert any(conv == m or conv.startswith(f"{m}.") for m in members) == \
+                any(norm == m or norm.startswith(f"{m}.") for m in members), (r.name, conv, norm)
+    for ratio in (0.9, 0.6, 0.4):
+        plan = menu.make_map(ratio, max_step_ratio=5.0).plan
+        net = lessmem.compress(tiny_cnn().train(), plan)
+        F.cross_entropy(net(batches(1)[0][0]), batches(1)[0][1]).backward()  # every plan runs

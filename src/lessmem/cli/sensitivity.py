@@ -56,7 +56,7 @@ def _sensitivity(cfg: DictConfig) -> None:
         result = measure_config_menu(cfg, cfg.menu, opts)
         out = Path(HydraConfig.get().runtime.output_dir)
         _, paths = write_menu_files(result, float(opts.budget), str(opts.criterion), out,
-                                    Path(str(opts.map_out)) if opts.map_out else None)
+                                    Path(str(opts.map_out)) if opts.map_out else None, float(opts.max_step_ratio))
     _print_menu(result)
     for key, p in paths.items():
         print(f"{key}: {p}")

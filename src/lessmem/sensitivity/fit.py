@@ -320,6 +320,8 @@ def scaled_menu(menu: MenuResult, factor: float) -> MenuResult:
         item["nbytes"] = [round(b * factor) for b in item["nbytes"]]
     d["stock_bytes"] = round(d["stock_bytes"] * factor)
     d["base_bytes"] = round(d["base_bytes"] * factor)
+    for region in d.get("regions", []):
+        region["delta_bytes"], region["freed_bytes"] = round(region["delta_bytes"] * factor), round(region["freed_bytes"] * factor)
     d["meta"] = {**d["meta"], "batch_size": round(d["meta"]["batch_size"] * factor), "measured_batch": d["meta"]["batch_size"]}
     return MenuResult.from_dict(d)
 

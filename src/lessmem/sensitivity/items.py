@@ -55,3 +55,19 @@ class MenuItem:
         if option not in self.options:
             raise ValueError(f"{self.kind} {self.name!r}: option {option!r} was not measured; have {self.options}")
         return self.options.index(option)
+
+
+@dataclass
+class RecomputeOption:
+    """A region (a block, or a run of sibling layers) the menu can recompute in backward: its items
+    then keep nothing and add no error (the rerun's backward is exact), the region keeps its input.
+    ``delta_bytes``: what recomputing it adds to the exact-companion total beyond dropping the
+    bytes of its items (its kept input, less what it keeps that no item covers); ``seconds``: its
+    forward, the rerun's cost. A tensor every region saves once between them (Llama's rotary
+    tables) is counted while any of them is not recomputed: with all of them recomputed the menu
+    overstates by that tensor, never understates."""
+
+    name: str
+    delta_bytes: int
+    seconds: float
+    freed_bytes: int  # the exact-companion total less the total with it recomputed

@@ -28,23 +28,35 @@ item, option and batch four criteria:
 Bytes: what each option keeps, exactly as ``lessmem.measure_memory`` counts it. A map's total is
 ``base_bytes`` (everything no item controls, under exact companions) plus the items' bytes, with
 the layers reading one tensor (ResNet's conv1 and downsample) storing each distinct option once.
+
+Recompute (``MenuOptions.recompute``): the model's blocks and runs of sibling layers, each with its
+measured bytes and forward seconds (``RecomputeOption``). A recomputed region's items keep nothing and
+add no error; the region adds its ``delta_bytes``. ``make_map(..., max_step_ratio=r)`` tries the
+regions one more at a time (most bytes freed per second of rerun first) while the reruns' seconds stay
+within ``r`` times a stock step's (measured with the menu) and keeps the map of least criterion
+(``MIN_GAIN`` lower than the best before it): time traded for error where codes alone would have to
+go lossier. A region keeps its input at full precision, so it pays where its internals outweigh its
+input (a transformer layer's attention and 4x-wide MLP), not where codes are already a sixteenth.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lessmem.core import CompressionPlan, StorageRule, first_match, parse_spec
+from lessmem.core.ops.recomputed_region import in_regions
 from lessmem.core.plan import CHUNKED
 from lessmem.sensitivity.items import (
     JOINT_KIND,
     MAP_KINDS,
     MenuItem,
+    RecomputeOption,
     joint_option,
     option_name,
     split_joint,
@@ -58,6 +70,9 @@ CRITERIA = ("grad_error", "loss_change", "cosine", "tensor_error")
 # criterion ranks accuracy alike (Spearman 0.83-0.86, within noise); at 0.08x on resnet20 the mean
 # cosine's map (1-bit BatchNorm inputs) lost 6-7 top-1 points to this one's (docs/proofs.md).
 DEFAULT_CRITERION = "tensor_error"
+# make_map spends rerun time only for a criterion at least this much lower (relative) than the
+# map with one region set fewer: not +15% step time to shave an int8 map's 1e-6.
+MIN_GAIN = 0.1
 
 
 @dataclass(frozen=True)
@@ -82,6 +97,7 @@ class MenuResult:
     stock_bytes: int  # stock PyTorch, same model and batch
     base_bytes: int  # bytes no item controls (exact companions on)
     meta: dict[str, Any] = field(default_factory=dict)
+    regions: list[RecomputeOption] = field(default_factory=list)  # what it can recompute (MenuOptions.recompute)
 
     # ---- scoring --------------------------------------------------------------------------------
 
@@ -113,15 +129,39 @@ class MenuResult:
         return chosen
 
     def score(self, plan: CompressionPlan) -> dict[str, float]:
-        """Every criterion and the predicted saved bytes (and ratio to stock) of a plan."""
-        return self._score(self.options_of(plan))
+        """Every criterion and the predicted saved bytes (and ratio to stock) of a plan; with
+        regions recomputed, the predicted ``step_ratio`` too."""
+        return self._score(self.options_of(plan), self._recomputed(plan))
 
-    def _score(self, chosen: Mapping[str, str]) -> dict[str, float]:
+    def _recomputed(self, plan: CompressionPlan) -> list[RecomputeOption]:
+        known = {r.name: r for r in self.regions}
+        if missing := [n for n in plan.recompute if n not in known]:
+            raise ValueError(f"the plan recomputes {missing}, which this menu did not measure "
+                             f"(measure it with menu.recompute=true; it has {sorted(known) or 'none'})")
+        return [known[n] for n in plan.recompute]
+
+    def _inside(self, regions: list[RecomputeOption]) -> set[str]:
+        """The items of units lying wholly inside ``regions``: they keep nothing there."""
+        names = [r.name for r in regions]
+        if not names:
+            return set()
+        return {m.name for members in self._units() if all(in_regions(m.name, names) for m in members)
+                for m in members}
+
+    def step_ratio(self, regions: list[RecomputeOption]) -> float:
+        """The predicted step time over stock's with ``regions`` recomputed: their forwards added."""
+        return 1.0 + sum(r.seconds for r in regions) / self.meta["step_seconds"] if regions else 1.0
+
+    def _score(self, chosen: Mapping[str, str], regions: list[RecomputeOption] | None = None) -> dict[str, float]:
         criteria = self.criteria
         totals = dict.fromkeys(criteria, 0.0)
         group_options: dict[tuple[int, str], int] = {}
-        nbytes = self.base_bytes
+        nbytes = self.base_bytes + sum(r.delta_bytes for r in regions or [])
+        inside = self._inside(regions or [])
         for item in self.items:
+            if item.name in inside:  # rerun in backward: exact
+                totals["cosine"] = totals.get("cosine", 0.0) + 1.0
+                continue
             j = item.index(chosen[item.name])
             for c in criteria:
                 totals[c] += item.mean(c)[j]
@@ -132,17 +172,19 @@ class MenuResult:
         nbytes += sum(group_options.values())
         return {**totals, "loss_change": abs(totals["loss_change"]),
                 "cosine": totals["cosine"] / max(len(self.items), 1), "bytes": float(nbytes),
-                "ratio": nbytes / self.stock_bytes}
+                "ratio": nbytes / self.stock_bytes, **({"step_ratio": self.step_ratio(regions)} if regions else {})}
 
     # ---- choosing -------------------------------------------------------------------------------
 
     def make_map(self, budget: float, criterion: str = DEFAULT_CRITERION,
-                 weights: Mapping[str, float] | None = None) -> ScoredPlan:
+                 weights: Mapping[str, float] | None = None, max_step_ratio: float = 1.0) -> ScoredPlan:
         """The map of least summed ``criterion`` whose total saved bytes fit ``budget`` (a fraction
         of stock's saved bytes when <= 1, else bytes): a multiple-choice knapsack over the whole
         menu, the layers reading one tensor choosing together. ``weights``: item name -> factor on
         its criterion values (default 1), how a search tells the knapsack which layers to trust
-        more or less than the criterion does; the score returned is the unweighted one."""
+        more or less than the criterion does; the score returned is the unweighted one.
+        ``max_step_ratio`` > 1: regions recomputed too where that lowers the criterion, their
+        predicted step within that many stock steps (``recompute_ladder``)."""
         if criterion not in CRITERIA:
             raise ValueError(f"unknown criterion {criterion!r}; choose one of {', '.join(CRITERIA)}")
         if criterion not in self.criteria:
@@ -151,7 +193,36 @@ class MenuResult:
         if budget <= 0:
             raise ValueError(f"budget must be > 0, got {budget}")
         limit = budget * self.stock_bytes if budget <= 1 else float(budget)
-        units = self._units()
+        best: tuple[float, dict[str, str], list[RecomputeOption]] | None = None
+        least = math.inf
+        for regions in self.recompute_ladder(max_step_ratio):
+            found, smallest = self._knapsack(limit, criterion, weights, regions)
+            least = min(least, smallest)
+            if found is not None and (best is None or found[0] < (1 - MIN_GAIN) * best[0]):
+                best = (*found, regions)
+        if best is None:
+            raise ValueError(f"no map fits {limit / self.stock_bytes:.3f}x stock saved bytes; the menu's "
+                             f"smallest is {least / self.stock_bytes:.3f}x")
+        return self.choice_of(best[1], best[2])
+
+    def recompute_ladder(self, max_step_ratio: float = 1.0) -> list[list[RecomputeOption]]:
+        """The region sets ``make_map`` tries: none, then one more region at a time, most bytes
+        freed per second of rerun first, while the predicted step stays within ``max_step_ratio``."""
+        ladder: list[list[RecomputeOption]] = [[]]
+        order = sorted((r for r in self.regions if r.freed_bytes > 0), key=lambda r: -r.freed_bytes / max(r.seconds, 1e-9))
+        for k in range(1, len(order) + 1):
+            if self.step_ratio(order[:k]) > max_step_ratio:
+                break
+            ladder.append(order[:k])
+        return ladder
+
+    def _knapsack(self, limit: float, criterion: str, weights: Mapping[str, float] | None,
+                  regions: list[RecomputeOption]) -> tuple[tuple[float, dict[str, str]] | None, float]:
+        """The least-``criterion`` choice for the items outside ``regions`` within ``limit`` bytes,
+        (its weighted value, item -> option) or None, and the least bytes any choice reaches."""
+        inside = self._inside(regions)
+        units = [u for u in self._units() if u[0].name not in inside]
+        fixed = self.base_bytes + sum(r.delta_bytes for r in regions)
         values, costs, unit_options = [], [], []
         for members in units:
             options = [o for o in members[0].options if all(o in m.options for m in members)]
@@ -160,20 +231,20 @@ class MenuResult:
                           for o in options]
             values.append(per_option)
             costs.append([members[0].nbytes[members[0].index(o)] for o in options])
-        choice = least_value_choice(values, costs, limit - self.base_bytes)
+        least = fixed + sum(min(c) for c in costs)
+        choice = least_value_choice(values, costs, limit - fixed)
         if choice is None:
-            least = self.base_bytes + sum(min(c) for c in costs)
-            raise ValueError(f"no map fits {limit / self.stock_bytes:.3f}x stock saved bytes; the menu's "
-                             f"smallest is {least / self.stock_bytes:.3f}x")
-        chosen: dict[str, str] = {}
+            return None, least
+        chosen = {i.name: i.exact_option for i in self.items if i.name in inside}
         for members, options, j in zip(units, unit_options, choice, strict=True):
             for m in members:
                 chosen[m.name] = options[j]
-        return self.choice_of(chosen)
+        return (sum(v[j] for v, j in zip(values, choice, strict=True)), chosen), least
 
-    def choice_of(self, chosen: Mapping[str, str]) -> ScoredPlan:
+    def choice_of(self, chosen: Mapping[str, str], regions: list[RecomputeOption] | None = None) -> ScoredPlan:
         """The plan giving each item its option in ``chosen`` (item name -> option; items reading
-        one tensor must agree), and its score. Exact companions on: the menu's bytes assume them."""
+        one tensor must agree) and recomputing ``regions``, and its score. Exact companions on: the
+        menu's bytes assume them."""
         joint = {i.name: (str(i.partner), *split_joint(chosen[i.name])) for i in self.items if i.kind == JOINT_KIND}
         conv = {i.name: chosen[i.name] for i in self.items if i.kind in MAP_KINDS}
         conv |= {name: conv_option for name, (_, _, conv_option) in joint.items()}
@@ -182,8 +253,9 @@ class MenuResult:
         act = {i.name: chosen[i.name] for i in self.items if i.kind == "act" and chosen[i.name] != "native"}
         saved = region_rule({i.name: chosen[i.name] for i in self.items if i.kind == "saved"},
                             {i.name: i.shielded for i in self.items if i.kind == "saved"})
-        plan = CompressionPlan(conv, norm or "native", act or "native", saved, exact_companions=True)
-        return ScoredPlan(plan, self._score(chosen))
+        plan = CompressionPlan(conv, norm or "native", act or "native", saved, exact_companions=True,
+                               recompute=tuple(r.name for r in regions or []))
+        return ScoredPlan(plan, self._score(chosen, regions))
 
     def uniform_choice(self, conv: str, norm: str = "native", act: str = "native",
                        saved: str = "native") -> ScoredPlan:
@@ -229,16 +301,20 @@ class MenuResult:
             for j, option in enumerate(item.options):
                 out.append({"item": item.name, "kind": item.kind, "option": option, "bytes": item.nbytes[j],
                             **{c: means[c][j] for c in means}})
+        exact = {c: 1.0 if c == "cosine" else 0.0 for c in self.criteria}
+        out += [{"item": r.name, "kind": "recompute", "option": f"recompute ({r.seconds * 1e3:.1f} ms)",
+                 "bytes": r.delta_bytes, **exact} for r in self.regions]
         return out
 
     def to_dict(self) -> dict[str, Any]:
         return {"stock_bytes": self.stock_bytes, "base_bytes": self.base_bytes, "meta": self.meta,
-                "items": [asdict(i) for i in self.items]}
+                "items": [asdict(i) for i in self.items], **({"regions": [asdict(r) for r in self.regions]}
+                                                              if self.regions else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> MenuResult:
         return cls([MenuItem(**i) for i in d["items"]], int(d["stock_bytes"]), int(d["base_bytes"]),
-                   dict(d.get("meta", {})))
+                   dict(d.get("meta", {})), [RecomputeOption(**r) for r in d.get("regions", [])])
 
     @classmethod
     def load(cls, path: str | Path) -> MenuResult:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 
 from lessmem.core import (
     FROM_NORM,
+    CompressionPlan,
     compress,
     kept_by_graph,
     load_rounding_state,
@@ -32,12 +34,21 @@ from lessmem.core import (
     stored_bytes,
 )
 from lessmem.core.memory import saved_tensors_of
+from lessmem.core.ops.recomputed_region import in_regions
+from lessmem.sensitivity.exact_fit import forward_seconds, run_candidates
+from lessmem.sensitivity.exact_fit import region_candidates as block_candidates
 from lessmem.sensitivity.geometry import (
     SensitivityLayer,
     TokenLinearLayer,
     sensitivity_layers,
 )
-from lessmem.sensitivity.items import JOINT_KIND, MenuItem, joint_option, option_name
+from lessmem.sensitivity.items import (
+    JOINT_KIND,
+    MenuItem,
+    RecomputeOption,
+    joint_option,
+    option_name,
+)
 from lessmem.sensitivity.menu import CRITERIA, MenuResult
 from lessmem.sensitivity.menu_options import DEFAULT_MENU, MenuOptions
 from lessmem.sensitivity.regions import region_candidates, region_groups, region_rule
@@ -81,7 +92,7 @@ def measure_menu(
     params = [p for p in net.parameters() if p.requires_grad]
     sizes = [p.numel() for p in params]
     device = params[0].device
-    state, first = rounding_state(), None
+    state, first, first_y = rounding_state(), None, None
     probe_stats: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
     pairs: dict[str, str] = {}  # conv -> the BatchNorm it can rebuild its input from (norm_conv items)
     n_batches = 0
@@ -89,7 +100,8 @@ def measure_menu(
         for batch_no, batch in enumerate(batches):
             x, y = _split(batch)
             x, y = x.to(device), None if y is None else y.to(device)
-            first = first if first is not None else x
+            if first is None:
+                first, first_y = x, y
             recorder.batch_storage = x.untyped_storage().data_ptr()
             exact, saved = _flat_grad(net, params, x, y, loss_fn, batch_no, hooks=(recorder, lossy_inputs),
                                       count_saved=batch_no == 0)
@@ -154,7 +166,48 @@ def measure_menu(
             "token_kernels": token_kernels, "storages": list(menu.storages), "norm_storages": list(menu.norm_storages),
             "act_storages": list(menu.act_storages), "saved_storages": list(menu.saved_storages),
             "from_bn": menu.from_bn}
-    return MenuResult(items, stock, base, meta)
+    if not menu.recompute:
+        return MenuResult(items, stock, base, meta)
+    regions, meta["step_seconds"] = _recompute_options(net, first, first_y, loss_fn, items)
+    return MenuResult(items, stock, base, meta, regions)
+
+
+def _recompute_options(net: nn.Module, x: Tensor, y: Tensor | None, loss_fn: Callable[[Tensor, Tensor | None], Tensor],
+                       items: list[MenuItem]) -> tuple[list[RecomputeOption], float]:
+    """The exact-companion ``net``'s blocks and runs of layers as recompute options (a
+    saved-tensor count with each recomputed alone: ``delta_bytes`` adds back the exact bytes of the
+    items wholly inside, which the menu drops), and a training step's seconds (least of two). A
+    region holding a conv but not the BatchNorm its ``from_bn`` options rebuild from (or the other
+    way round: a ResNet's stem and its first block's conv1) is not offered."""
+    compress(net, None)
+    exact_total = measure_memory(net, x).total_bytes
+    candidates = [*run_candidates(net, x), *block_candidates(net)]
+    seconds = forward_seconds(net, x, candidates)
+    units: dict[object, list[MenuItem]] = {}
+    for item in items:
+        units.setdefault(item.name if item.group is None else ("group", item.group), []).append(item)
+    pairs = [(i.name, str(i.partner)) for i in items if i.kind == JOINT_KIND]
+    options = []
+    for name in candidates:
+        if any(in_regions(conv, (name,)) != in_regions(norm, (name,)) for conv, norm in pairs):
+            continue  # it would split a conv from the BatchNorm its from_bn options rebuild from
+        try:
+            compress(net, CompressionPlan(exact_companions=True, recompute=(name,)))
+            total = measure_memory(net, x).total_bytes
+        except (RuntimeError, TypeError):  # a run its parent does not call as one
+            continue
+        finally:
+            compress(net, None)
+        inside = sum(u[0].nbytes[u[0].index(u[0].exact_option)] for u in units.values()
+                     if all(in_regions(m.name, (name,)) for m in u))
+        options.append(RecomputeOption(name, total - exact_total + inside, seconds[name], exact_total - total))
+    step = math.inf
+    for _ in range(2):
+        start = time.perf_counter()
+        loss_fn(net(x), y).backward()
+        step = min(step, time.perf_counter() - start)
+    net.zero_grad(set_to_none=True)
+    return options, step
 
 
 def _apply_probe(net: nn.Module, kind: str, name: str, storage: str, regions: dict[str, bool],

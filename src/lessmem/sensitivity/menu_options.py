@@ -35,6 +35,7 @@ class MenuOptions:
     act_storages: tuple[str, ...] = LOSSY_STORAGES
     saved_storages: tuple[str, ...] = ()
     from_bn: bool = True
+    recompute: bool = False  # the model's blocks and runs of layers as recompute options (bytes, seconds)
 
     def __post_init__(self) -> None:
         for field in ("kernels", "token_kernels"):
@@ -50,18 +51,20 @@ class MenuOptions:
     def kernel_only(cls, kernels: tuple[int, ...] = DEFAULT_KERNELS) -> MenuOptions:
         """Pooling alone (conv and token-linear inputs): native storage, no BatchNorm / activation /
         saved-region options."""
-        return cls(kernels, kernels, ("native",), (), (), (), from_bn=False)
+        return cls(kernels, kernels, ("native",), (), (), (), from_bn=False, recompute=False)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> MenuOptions:
         """The options a config node lists (the ``menu`` group, ``adaptive``); other keys are
         ignored and a field it leaves out keeps its default."""
+        switches = ("from_bn", "recompute")
         given: dict[str, Any] = {f.name: tuple(int(k) if f.name.endswith("kernels") else str(k) for k in cfg[f.name])
-                                 for f in fields(cls) if f.name in cfg and f.name != "from_bn"}
-        if "from_bn" in cfg:
-            if not isinstance(cfg["from_bn"], bool):
-                raise ValueError(f"menu.from_bn must be true or false, got {cfg['from_bn']!r}")
-            given["from_bn"] = cfg["from_bn"]
+                                 for f in fields(cls) if f.name in cfg and f.name not in switches}
+        for name in switches:
+            if name in cfg:
+                if not isinstance(cfg[name], bool):
+                    raise ValueError(f"menu.{name} must be true or false, got {cfg[name]!r}")
+                given[name] = cfg[name]
         return cls(**given)
 
 
