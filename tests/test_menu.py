@@ -275,6 +275,9 @@ def test_bad_requests_say_what_is_wrong(menu: MenuResult) -> None:
         MenuOptions(token_kernels=(2,))
     assert MenuOptions.kernel_only((1, 2)).token_kernels == (1, 2)
     assert MenuOptions.from_config({"token_kernels": ["1", "4"]}).token_kernels == (1, 4)
+    assert MenuOptions.from_config({"recompute": True}).recompute and not MenuOptions().recompute
+    with pytest.raises(ValueError, match="menu.recompute must be true or false"):
+        MenuOptions.from_config({"recompute": "yes"})
 
 
 def test_menu_and_map_files_round_trip(menu: MenuResult, tmp_path) -> None:
