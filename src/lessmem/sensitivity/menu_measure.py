@@ -13,6 +13,7 @@ RNG are left as they were.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -174,33 +175,49 @@ def measure_menu(
 
 def _recompute_options(net: nn.Module, x: Tensor, y: Tensor | None, loss_fn: Callable[[Tensor, Tensor | None], Tensor],
                        items: list[MenuItem]) -> tuple[list[RecomputeOption], float]:
-    """The exact-companion ``net``'s blocks and runs of layers as recompute options (a
-    saved-tensor count with each recomputed alone: ``delta_bytes`` adds back the exact bytes of the
-    items wholly inside, which the menu drops), and a training step's seconds (least of two). A
-    region holding a conv but not the BatchNorm its ``from_bn`` options rebuild from (or the other
-    way round: a ResNet's stem and its first block's conv1) is not offered."""
-    compress(net, None)
-    exact_total = measure_memory(net, x).total_bytes
-    candidates = [*run_candidates(net, x), *block_candidates(net)]
-    seconds = forward_seconds(net, x, candidates)
+    """The exact-companion ``net``'s blocks and runs of layers as recompute options, and a training
+    step's seconds (least of two). Each region's ``delta_bytes`` from a saved-tensor count with it
+    recomputed alone, twice: among exact items and among every item at its smallest option (a kept
+    input that an exact neighbour's saved tensor shares costs nothing there, a full copy beside
+    codes), the larger kept, so that no map of the menu is predicted below its bytes; the items
+    wholly inside are added back (the menu drops them). A region holding a conv but not the
+    BatchNorm its ``from_bn`` options rebuild from (or the other way round: a ResNet's stem and its
+    first block's conv1) is not offered."""
     units: dict[object, list[MenuItem]] = {}
     for item in items:
         units.setdefault(item.name if item.group is None else ("group", item.group), []).append(item)
+    smallest = {}
+    for members in units.values():
+        common = [o for o in members[0].options if all(o in m.options for m in members)]
+        least = min(common, key=lambda o: members[0].nbytes[members[0].index(o)])
+        smallest |= dict.fromkeys((m.name for m in members), least)
+    contexts = {"exact": (CompressionPlan(exact_companions=True), lambda u: u[0].exact_option),
+                "smallest": (MenuResult(items, 1, 0).choice_of(smallest).plan, lambda u: smallest[u[0].name])}
+    totals = {}
+    for context, (plan, _) in contexts.items():
+        compress(net, plan)
+        totals[context] = measure_memory(net, x).total_bytes
+    compress(net, None)
+    candidates = [*run_candidates(net, x), *block_candidates(net)]
+    seconds = forward_seconds(net, x, candidates)
     pairs = [(i.name, str(i.partner)) for i in items if i.kind == JOINT_KIND]
     options = []
     for name in candidates:
         if any(in_regions(conv, (name,)) != in_regions(norm, (name,)) for conv, norm in pairs):
             continue  # it would split a conv from the BatchNorm its from_bn options rebuild from
+        inside = [u for u in units.values() if all(in_regions(m.name, (name,)) for m in u)]
+        deltas, freed = [], 0
         try:
-            compress(net, CompressionPlan(exact_companions=True, recompute=(name,)))
-            total = measure_memory(net, x).total_bytes
+            for context, (plan, option) in contexts.items():
+                compress(net, dataclasses.replace(plan, recompute=(name,)))
+                total = measure_memory(net, x).total_bytes
+                deltas.append(total - totals[context] + sum(u[0].nbytes[u[0].index(option(u))] for u in inside))
+                freed = freed or totals[context] - total
         except (RuntimeError, TypeError):  # a run its parent does not call as one
             continue
         finally:
             compress(net, None)
-        inside = sum(u[0].nbytes[u[0].index(u[0].exact_option)] for u in units.values()
-                     if all(in_regions(m.name, (name,)) for m in u))
-        options.append(RecomputeOption(name, total - exact_total + inside, seconds[name], exact_total - total))
+        options.append(RecomputeOption(name, max(deltas), seconds[name], freed))
     step = math.inf
     for _ in range(2):
         start = time.perf_counter()
