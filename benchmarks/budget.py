@@ -63,14 +63,16 @@ def sgd(params):
 
 
 def setup(args: argparse.Namespace):
+    """The model, one batch and the loss, on ``args.device``."""
     torch.manual_seed(0)
+    device = torch.device(args.device)
     if args.model == "tiny_llama":
         model = build_model("tiny_llama", 256, max_position_embeddings=args.seq_len)
         x = torch.randint(256, (args.batch, args.seq_len))
-        return model, (x, x.clone()), lm_loss
+        return model.to(device), (x.to(device), x.clone().to(device)), lm_loss
     model = build_model(args.model, 1000 if args.image_size >= 64 else 10)
-    return model, (torch.randn(args.batch, 3, args.image_size, args.image_size),
-                   torch.randint(10, (args.batch,))), F.cross_entropy
+    batch = (torch.randn(args.batch, 3, args.image_size, args.image_size), torch.randint(10, (args.batch,)))
+    return model.to(device), tuple(t.to(device) for t in batch), F.cross_entropy
 
 
 def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -161,8 +163,9 @@ def main() -> None:
     p.add_argument("--curve", type=int, default=0, help="N maps' measured peaks against the profile's prediction instead")
     p.add_argument("--exact", type=float, nargs="+", help="fractions of stock's peak: the exact view instead")
     p.add_argument("--plot-exact", nargs="+", metavar="CSV", help="plot exact views' CSVs side by side (--plot) and stop")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (peaks: max_memory_allocated there)")
     p.add_argument("--clock", choices=tuple(CLOCKS), default="cpu",
-                   help="the exact view's step clock: process CPU time (steadier on a shared machine) or wall")
+                   help="the exact view's step clock on the CPU: process CPU time (steadier on a shared machine) or wall")
     p.add_argument("--csv")
     p.add_argument("--plot")
     args = p.parse_args()
@@ -268,7 +271,9 @@ def step_ratios(stock: nn.Module, others: list[nn.Module], batch, loss_fn, steps
     nets = [stock, *others]
     opts = [sgd(net.parameters()) for net in nets]
     calls = [lambda n=n, o=o: training_step(n, batch, o, loss_fn) for n, o in zip(nets, opts, strict=True)]
-    medians = [statistics.median(t) for t in alternating_step_times(calls, steps, clock=CLOCKS[clock])]
+    device = batch[0].device  # CUDA: wall time, synchronized (a process's CPU time does not see the GPU)
+    times = alternating_step_times(calls, steps, clock=CLOCKS["wall" if device.type == "cuda" else clock], device=device)
+    medians = [statistics.median(t) for t in times]
     return [m / medians[0] for m in medians[1:]]
 
 
