@@ -163,6 +163,8 @@ def main() -> None:
     p.add_argument("--curve", type=int, default=0, help="N maps' measured peaks against the profile's prediction instead")
     p.add_argument("--exact", type=float, nargs="+", help="fractions of stock's peak: the exact view instead")
     p.add_argument("--plot-exact", nargs="+", metavar="CSV", help="plot exact views' CSVs side by side (--plot) and stop")
+    p.add_argument("--baselines-only", action="store_true",
+                   help="the exact view's checkpoint and compiled columns alone (lessmem's fits not run)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (peaks: max_memory_allocated there)")
     p.add_argument("--clock", choices=tuple(CLOCKS), default="cpu",
                    help="the exact view's step clock on the CPU: process CPU time (steadier on a shared machine) or wall")
@@ -296,7 +298,10 @@ def exact(model: nn.Module, batch, loss_fn, args: argparse.Namespace) -> None:
         budget = int(fraction * stock_peak)
         row: dict = {"fraction": fraction, "budget_mib": budget / MIB, "stock_peak_mib": stock_peak / MIB}
         timed: dict[str, nn.Module] = {}
+        fits = ("exact", "lossy") if not args.baselines_only else ()
         try:
+            if "exact" not in fits:
+                raise lessmem.sensitivity.NoFit("not measured (--baselines-only)")
             fitted = lessmem.fit(model, batch, budget, optimizer=sgd, loss_fn=loss_fn, fidelity="exact")
         except lessmem.sensitivity.NoFit as e:
             row["exact"] = str(e)
@@ -308,6 +313,8 @@ def exact(model: nn.Module, batch, loss_fn, args: argparse.Namespace) -> None:
                        exact_max_elementwise_error=max_elementwise_error(grads, reference),
                        recomputed=len(fitted.plan.recompute), floor_ratio=fitted.floor_step_peak_bytes / stock_peak)
         try:
+            if "lossy" not in fits:
+                raise lessmem.sensitivity.NoFit("not measured (--baselines-only)")
             lossy = lessmem.fit(model, batch, budget, optimizer=sgd, loss_fn=loss_fn, fidelity="lossy")
         except lessmem.sensitivity.NoFit as e:
             row["lossy"] = str(e)
@@ -356,13 +363,16 @@ def exact_table(rows: list[dict]) -> str:
         exact_peak = cell(r, "exact_peak_ratio")
         if not exact_peak and (floor := re.search(r"peaks at ([\d.]+)MiB", r.get("exact", ""))):
             exact_peak = f"none (floor {float(floor[1]) / float(r['stock_peak_mib']):.3f})"
+        if "not measured" in r.get("exact", ""):
+            exact_peak = "not measured"
+        lossy_peak = "not measured" if "not measured" in r.get("lossy", "") else cell(r, "lossy_peak_ratio") or "none fits"
         units = f"{r['checkpoint_units']} {r['checkpoint_ladder']}" if r.get("checkpoint_units") else "none fits"
         lines.append(f"| {float(r['fraction']):.2f}x | {exact_peak} | {cell(r, 'exact_step_ratio', '.2f', 'x')} "
                      f"| {cell(r, 'exact_max_rel_grad_error', '.1e')} | {r.get('recomputed', '')} "
                      f"| {cell(r, 'checkpoint_peak_ratio')} | {cell(r, 'checkpoint_step_ratio', '.2f', 'x')} | {units} "
                      f"| {cell(r, 'compile_fraction', '.2f')} | {cell(r, 'compile_peak_ratio')} "
                      f"| {cell(r, 'compile_step_ratio', '.2f', 'x')} | {cell(r, 'compile_max_rel_grad_error', '.1e')} "
-                     f"| {cell(r, 'lossy_peak_ratio') or 'none fits'} | {cell(r, 'lossy_step_ratio', '.2f', 'x')} "
+                     f"| {lossy_peak} | {cell(r, 'lossy_step_ratio', '.2f', 'x')} "
                      f"| {cell(r, 'lossy_max_rel_grad_error', '.1e')} |")
     return "\n".join(lines)
 
