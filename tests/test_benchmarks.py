@@ -171,3 +171,6 @@ def test_budget_benchmark_exact_view_csv_and_plot(tmp_path: Path, stdout_of) -> 
     assert float(fits["checkpoint_peak_ratio"]) <= 0.8 and fits["checkpoint_ladder"] in ("block", "stage")
     assert "no exact plan fits" in nothing["exact"] and nothing["checkpoint"].startswith("none fits (floor")
     assert "wrote" in stdout_of("budget.py", "--plot-exact", str(csv_path), "--plot", str(png)) and png.stat().st_size > 0
+    baselines = stdout_of("budget.py", "--model", "resnet20", "--image-size", "32", "--batch", "16", "--steps", "1",
+                          "--exact", "0.8", "--no-compile", "--baselines-only")
+    assert re.search(r"^\| 0.80x \| not measured \|.*\| \d+ (block|stage) \|.*\| not measured \|", baselines, re.M), baselines
