@@ -46,6 +46,7 @@ from lessmem.sensitivity import (
     MenuResult,
     ScoredPlan,
 )
+from lessmem.sensitivity.items import shared_options
 
 
 @dataclass
@@ -240,8 +241,7 @@ def criterion_maps(menu: MenuResult, preset: Preset, budgets: list[float], n: in
         level, chosen = rng.random(), {}
         for members in units:
             first = by_name[members[0]]
-            options = sorted((o for o in first.options if all(o in by_name[m].options for m in members)),
-                             key=lambda o: -first.nbytes[first.index(o)])
+            options = sorted(shared_options([by_name[m] for m in members]), key=lambda o: -first.nbytes[first.index(o)])
             i = round(level * (len(options) - 1) + rng.gauss(0, 1.5))
             chosen.update(dict.fromkeys(members, options[min(max(i, 0), len(options) - 1)]))
         choice = menu.choice_of(chosen)

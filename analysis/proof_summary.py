@@ -221,6 +221,11 @@ def _named(group: dict) -> str | None:
     return group.get("name") or (group.get("_target_") or "").rpartition(".")[2] or None
 
 
+def _paired_cells(paired: dict) -> str:
+    """A paired comparison's table cells: mean difference, p, 95% CI (dashes where it was not made)."""
+    return f"{_fmt(paired.get('mean_diff', math.nan))} | {_fmt(paired.get('p', math.nan), '.3f')} | {_ci(paired)}"
+
+
 def _ci(paired: dict) -> str:
     lo, hi = paired.get("ci95", [math.nan, math.nan])
     return "—" if math.isnan(lo) else f"[{lo:+.2f}, {hi:+.2f}]"
@@ -276,8 +281,7 @@ def markdown(result: dict, layout: dict, reports: dict[str, str | None] | None =
                 f"{_fmt(r.get('minutes_per_epoch'), '.1f')} | {'yes' if r['fits'] else 'no'} | {len(r['seeds'])} | "
                 f"{r['mean']:.2f} ± {_fmt(r['std'], '.2f')} | "
                 f"{', '.join(f'{v:.2f}{m}' for v, m in zip(r[key], marks, strict=True))} | "
-                f"{_fmt(vs_s['mean_diff'])} | {_fmt(vs_s.get('p', math.nan), '.3f')} | {_ci(vs_s)} | "
-                f"{_fmt(vs_u.get('mean_diff', math.nan))} | {_fmt(vs_u.get('p', math.nan), '.3f')} | {_ci(vs_u)} |")
+                f"{_paired_cells(vs_s)} | {_paired_cells(vs_u)} |")
         lines += ["", f"Best uniform option that fits: {data['best_uniform']}.", ""]
         if failed := [f"{r['config']} seed {seed}: {where}" for r in data["rows"]
                       for seed, where in r.get("diverged", {}).items()]:

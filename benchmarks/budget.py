@@ -56,6 +56,7 @@ from lessmem.sensitivity.fit import STATIC_CATEGORIES
 
 MIB = 2**20
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+NOT_MEASURED = "not measured (--baselines-only)"
 
 
 def sgd(params):
@@ -120,14 +121,15 @@ def placements(model: nn.Module, batch) -> dict[str, list[tuple[str, ...]]]:
     k units for every k, the unit that saves the most bytes per second of forward first (bytes: a
     saved-tensor count with that unit checkpointed; seconds: its forward, least of four)."""
     inputs = batch[0]
+    units = {"block": blocks(model), "stage": stages(model)}
+    every = [u for names in units.values() for u in names]
     base = lessmem.measure_memory(copy.deepcopy(model).train(), inputs).total_bytes
+    seconds = forward_seconds(copy.deepcopy(model).train(), inputs, every)  # one set of forwards times all
+    saved = {u: base - lessmem.measure_memory(checkpointed(model, (u,)).train(), inputs).total_bytes for u in every}
     ladders = {}
-    for ladder, units in (("block", blocks(model)), ("stage", stages(model))):
-        if units:
-            seconds = forward_seconds(copy.deepcopy(model).train(), inputs, units)
-            saved = {u: base - lessmem.measure_memory(checkpointed(model, (u,)).train(), inputs).total_bytes
-                     for u in units}
-            order = sorted(units, key=lambda u: -saved[u] / max(seconds[u], 1e-9))
+    for ladder, names in units.items():
+        order = sorted(names, key=lambda u: -saved[u] / max(seconds[u], 1e-9))
+        if order:
             ladders[ladder] = [tuple(order[:k]) for k in range(1, len(order) + 1)]
     return ladders
 
@@ -298,30 +300,22 @@ def exact(model: nn.Module, batch, loss_fn, args: argparse.Namespace) -> None:
         budget = int(fraction * stock_peak)
         row: dict = {"fraction": fraction, "budget_mib": budget / MIB, "stock_peak_mib": stock_peak / MIB}
         timed: dict[str, nn.Module] = {}
-        fits = ("exact", "lossy") if not args.baselines_only else ()
-        try:
-            if "exact" not in fits:
-                raise lessmem.sensitivity.NoFit("not measured (--baselines-only)")
-            fitted = lessmem.fit(model, batch, budget, optimizer=sgd, loss_fn=loss_fn, fidelity="exact")
-        except lessmem.sensitivity.NoFit as e:
-            row["exact"] = str(e)
-        else:
-            timed["exact"] = lessmem.compress(copy.deepcopy(model).train(), fitted.plan)
-            grads = grads_of(timed["exact"], batch, loss_fn)
-            row.update(exact_peak_ratio=fitted.step_peak_bytes / stock_peak, exact_fit_step_ratio=fitted.step_time_ratio,
-                       exact_max_rel_grad_error=max_relative_error(grads, reference),
-                       exact_max_elementwise_error=max_elementwise_error(grads, reference),
-                       recomputed=len(fitted.plan.recompute), floor_ratio=fitted.floor_step_peak_bytes / stock_peak)
-        try:
-            if "lossy" not in fits:
-                raise lessmem.sensitivity.NoFit("not measured (--baselines-only)")
-            lossy = lessmem.fit(model, batch, budget, optimizer=sgd, loss_fn=loss_fn, fidelity="lossy")
-        except lessmem.sensitivity.NoFit as e:
-            row["lossy"] = str(e)
-        else:
-            timed["lossy"] = lessmem.compress(copy.deepcopy(model).train(), lossy.plan)
-            row.update(lossy_peak_ratio=lossy.step_peak_bytes / stock_peak,
-                       lossy_max_rel_grad_error=max_relative_error(grads_of(timed["lossy"], batch, loss_fn), reference))
+        if args.baselines_only:
+            row["exact"] = row["lossy"] = NOT_MEASURED
+        for fidelity in () if args.baselines_only else ("exact", "lossy"):
+            try:
+                fitted = lessmem.fit(model, batch, budget, optimizer=sgd, loss_fn=loss_fn, fidelity=fidelity)
+            except lessmem.sensitivity.NoFit as e:
+                row[fidelity] = str(e)
+                continue
+            timed[fidelity] = lessmem.compress(copy.deepcopy(model).train(), fitted.plan)
+            grads = grads_of(timed[fidelity], batch, loss_fn)  # before the timed steps move the weights
+            row.update({f"{fidelity}_peak_ratio": fitted.step_peak_bytes / stock_peak,
+                        f"{fidelity}_max_rel_grad_error": max_relative_error(grads, reference)})
+            if fidelity == "exact":
+                row.update(exact_fit_step_ratio=fitted.step_time_ratio,
+                           exact_max_elementwise_error=max_elementwise_error(grads, reference),
+                           recomputed=len(fitted.plan.recompute), floor_ratio=fitted.floor_step_peak_bytes / stock_peak)
         fitting = fitting_placements(ladders, ck_peaks, budget)
         if not fitting:
             row["checkpoint"] = f"none fits (floor {min(ck_peaks.values()) / stock_peak:.3f}x)"
@@ -363,9 +357,9 @@ def exact_table(rows: list[dict]) -> str:
         exact_peak = cell(r, "exact_peak_ratio")
         if not exact_peak and (floor := re.search(r"peaks at ([\d.]+)MiB", r.get("exact", ""))):
             exact_peak = f"none (floor {float(floor[1]) / float(r['stock_peak_mib']):.3f})"
-        if "not measured" in r.get("exact", ""):
+        if r.get("exact") == NOT_MEASURED:
             exact_peak = "not measured"
-        lossy_peak = "not measured" if "not measured" in r.get("lossy", "") else cell(r, "lossy_peak_ratio") or "none fits"
+        lossy_peak = "not measured" if r.get("lossy") == NOT_MEASURED else cell(r, "lossy_peak_ratio") or "none fits"
         units = f"{r['checkpoint_units']} {r['checkpoint_ladder']}" if r.get("checkpoint_units") else "none fits"
         lines.append(f"| {float(r['fraction']):.2f}x | {exact_peak} | {cell(r, 'exact_step_ratio', '.2f', 'x')} "
                      f"| {cell(r, 'exact_max_rel_grad_error', '.1e')} | {r.get('recomputed', '')} "

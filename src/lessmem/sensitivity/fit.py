@@ -49,6 +49,7 @@ from lessmem.core import (
 )
 from lessmem.sensitivity.byte_sizes import format_bytes, parse_bytes
 from lessmem.sensitivity.exact_fit import RegionCost, bare_plans, exact_plans, fastest_fitting
+from lessmem.sensitivity.items import shared_options
 from lessmem.sensitivity.menu import CRITERIA, DEFAULT_CRITERION, MenuResult, ScoredPlan
 from lessmem.sensitivity.menu_measure import measure_menu
 from lessmem.sensitivity.menu_options import MenuOptions
@@ -333,8 +334,7 @@ def smallest_map(menu: MenuResult, criterion: str = DEFAULT_CRITERION) -> Scored
     least = float(menu.base_bytes)
     for members in menu.unit_items().values():
         first = items[members[0]]
-        common = [o for o in first.options if all(o in items[m].options for m in members)]
-        least += min(first.nbytes[first.index(o)] for o in common)
+        least += min(first.nbytes[first.index(o)] for o in shared_options([items[m] for m in members]))
     return menu.make_map(least * 1.01, criterion)
 
 

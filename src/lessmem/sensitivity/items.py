@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +56,12 @@ class MenuItem:
         if option not in self.options:
             raise ValueError(f"{self.kind} {self.name!r}: option {option!r} was not measured; have {self.options}")
         return self.options.index(option)
+
+
+def shared_options(members: Sequence[MenuItem]) -> list[str]:
+    """The options every item of a unit (items reading one tensor) measured, in the first's order:
+    what the unit can choose together."""
+    return [o for o in members[0].options if all(o in m.options for m in members)]
 
 
 @dataclass

@@ -44,7 +44,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,7 @@ from lessmem.sensitivity.items import (
     RecomputeOption,
     joint_option,
     option_name,
+    shared_options,
     split_joint,
 )
 from lessmem.sensitivity.knapsack import least_value_choice
@@ -140,13 +141,24 @@ class MenuResult:
                              f"(measure it with menu.recompute=true; it has {sorted(known) or 'none'})")
         return [known[n] for n in plan.recompute]
 
+    def _units_inside(self, names: Sequence[str]) -> list[list[MenuItem]]:
+        """The units lying wholly inside the regions ``names``: recomputed, they keep nothing there."""
+        return [u for u in self._units() if names and all(in_regions(m.name, names) for m in u)]
+
     def _inside(self, regions: list[RecomputeOption]) -> set[str]:
-        """The items of units lying wholly inside ``regions``: they keep nothing there."""
-        names = [r.name for r in regions]
-        if not names:
-            return set()
-        return {m.name for members in self._units() if all(in_regions(m.name, names) for m in members)
-                for m in members}
+        return {m.name for u in self._units_inside([r.name for r in regions]) for m in u}
+
+    def kept_inside(self, chosen: Mapping[str, str], names: Sequence[str]) -> int:
+        """The bytes the units wholly inside the regions ``names`` keep under ``chosen`` (item -> option)."""
+        return sum(u[0].nbytes[u[0].index(chosen[u[0].name])] for u in self._units_inside(names))
+
+    def smallest_choice(self) -> dict[str, str]:
+        """Item -> the option of fewest bytes its unit can choose."""
+        chosen: dict[str, str] = {}
+        for members in self._units():
+            least = min(shared_options(members), key=lambda o: members[0].nbytes[members[0].index(o)])
+            chosen |= dict.fromkeys((m.name for m in members), least)
+        return chosen
 
     def step_ratio(self, regions: list[RecomputeOption]) -> float:
         """The predicted step time over stock's with ``regions`` recomputed: their forwards added."""
@@ -225,7 +237,7 @@ class MenuResult:
         fixed = self.base_bytes + sum(r.delta_bytes for r in regions)
         values, costs, unit_options = [], [], []
         for members in units:
-            options = [o for o in members[0].options if all(o in m.options for m in members)]
+            options = shared_options(members)
             unit_options.append(options)
             per_option = [sum(_additive(m, criterion)[m.index(o)] * (weights or {}).get(m.name, 1.0) for m in members)
                           for o in options]

@@ -183,16 +183,10 @@ def _recompute_options(net: nn.Module, x: Tensor, y: Tensor | None, loss_fn: Cal
     wholly inside are added back (the menu drops them). A region holding a conv but not the
     BatchNorm its ``from_bn`` options rebuild from (or the other way round: a ResNet's stem and its
     first block's conv1) is not offered."""
-    units: dict[object, list[MenuItem]] = {}
-    for item in items:
-        units.setdefault(item.name if item.group is None else ("group", item.group), []).append(item)
-    smallest = {}
-    for members in units.values():
-        common = [o for o in members[0].options if all(o in m.options for m in members)]
-        least = min(common, key=lambda o: members[0].nbytes[members[0].index(o)])
-        smallest |= dict.fromkeys((m.name for m in members), least)
-    contexts = {"exact": (CompressionPlan(exact_companions=True), lambda u: u[0].exact_option),
-                "smallest": (MenuResult(items, 1, 0).choice_of(smallest).plan, lambda u: smallest[u[0].name])}
+    menu = MenuResult(items, 1, 0)  # its units and choices; bytes are not read from it
+    smallest = menu.smallest_choice()
+    contexts = {"exact": (CompressionPlan(exact_companions=True), {i.name: i.exact_option for i in items}),
+                "smallest": (menu.choice_of(smallest).plan, smallest)}
     totals = {}
     for context, (plan, _) in contexts.items():
         compress(net, plan)
@@ -205,13 +199,12 @@ def _recompute_options(net: nn.Module, x: Tensor, y: Tensor | None, loss_fn: Cal
     for name in candidates:
         if any(in_regions(conv, (name,)) != in_regions(norm, (name,)) for conv, norm in pairs):
             continue  # it would split a conv from the BatchNorm its from_bn options rebuild from
-        inside = [u for u in units.values() if all(in_regions(m.name, (name,)) for m in u)]
         deltas, freed = [], 0
         try:
-            for context, (plan, option) in contexts.items():
+            for context, (plan, chosen) in contexts.items():
                 compress(net, dataclasses.replace(plan, recompute=(name,)))
                 total = measure_memory(net, x).total_bytes
-                deltas.append(total - totals[context] + sum(u[0].nbytes[u[0].index(option(u))] for u in inside))
+                deltas.append(total - totals[context] + menu.kept_inside(chosen, (name,)))
                 freed = freed or totals[context] - total
         except (RuntimeError, TypeError):  # a run its parent does not call as one
             continue
