@@ -401,6 +401,9 @@ MEASURES = [
      "`python benchmarks/memory.py --models vit_b_16 --batch 8`"),
     ("Whole-step peak under `torch.compile` (tiny Llama)", [("compile.md", "compile.md")],
      "`python benchmarks/compile_memory.py`"),
+    ("Context per memory budget: LoRA r16 on a 135M Llama (HF stock, HF checkpointing, lessmem lossy and exact)",
+     [("results/budget.md", "results/budget.md#how-long-a-context-fits-lora-on-a-135m-llama-issue-45")],
+     "`python benchmarks/context.py` (command on the page)"),
 ]
 STUDIES = [
     ("resnet20 on CIFAR-10, 4 epochs: stock vs 2×2 vs 4×4 (seed 0)",

@@ -95,6 +95,14 @@ PRESETS = {
         budgets=[0.5, 0.25, 0.12],
         uniform={f"{s}_all": (s, "native", s, s) for s in ("bf16", "int8", "int4", "int2", "int1")}
         | {f"pool2_{s}_all": (f"2/{s}", "native", s, s) for s in ("int4", "int2")}),
+    # Issue 42, at convergence: experiment=lm_converged (3,000 steps, ten times lm_quick's; its learning rate
+    # tuned for stock); the menu after 300 stock steps (lm_quick's warm-up scaled with the schedule).
+    "lm_converged": Preset(
+        train=["experiment=lm_converged", "logger=csv"],
+        sensitivity=["sensitivity.batches=4", "sensitivity.batch_size=${memory_batch}", "sensitivity.warmup_steps=300"],
+        metric="final_val_ppl", label="val_ppl", scale=1.0, lower_is_better=True, sweep="menu_tiny_llama",
+        budgets=[0.25, 0.12],
+        uniform={"int8_all": ("int8", "native", "int8", "int8")}),
     # Issue 45: lora_quick (LoRA on lm_quick's checkpoint, the stdlib's docstrings); the menu after 50 LoRA
     # steps (PEFT starts B at zero, which leaves every A gradient zero at step 0).
     "tiny_llama_lora": Preset(

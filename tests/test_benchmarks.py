@@ -174,3 +174,19 @@ def test_budget_benchmark_exact_view_csv_and_plot(tmp_path: Path, stdout_of) -> 
     baselines = stdout_of("budget.py", "--model", "resnet20", "--image-size", "32", "--batch", "16", "--steps", "1",
                           "--exact", "0.8", "--no-compile", "--baselines-only")
     assert re.search(r"^\| 0.80x \| not measured \|.*\| \d+ (block|stage) \|.*\| not measured \|", baselines, re.M), baselines
+
+
+def test_context_benchmark_verifies_each_length_and_plots(tmp_path: Path, stdout_of) -> None:
+    """The context table on a tiny Llama: every length it reports fits its budget by a real step, HF
+    checkpointing with the chunked loss reaches longer than stock with the same gradients."""
+    pytest.importorskip("peft")
+    csv_path, png = tmp_path / "context.csv", tmp_path / "context.png"
+    out = stdout_of("context.py", "--shape", "tiny", "--budgets", "4MiB", "--configs", "hf", "hf_checkpointing_chunked_loss",
+                    "--lengths", "64", "128", "--probe-length", "32", "--time-length", "64", "--repeats", "1",
+                    "--cap", "512", "--max-length", "512", "--measure", "profiler", "--csv", str(csv_path))
+    stock, chunked = list(csv.DictReader(csv_path.open()))
+    for row in (stock, chunked):
+        assert 0 < int(row["peak_bytes"]) <= 4 * 2**20
+    assert int(chunked["length"]) > int(stock["length"]) > 0 and float(chunked["grad_error"]) < 1e-2
+    assert re.search(r"^\| hf_checkpointing_chunked_loss \| (≥ )?\d+ \(\d+ MiB\) \| [\d.e-]+ s, [\d.]+x HF \|", out, re.M), out
+    assert "wrote" in stdout_of("context.py", "--plot-only", str(csv_path), "--plot", str(png)) and png.stat().st_size > 0

@@ -609,3 +609,14 @@ def test_menu_does_not_offer_regions_that_split_a_rebuilt_input(joint_menu: Menu
         plan = menu.make_map(ratio, max_step_ratio=5.0).plan
         net = lessmem.compress(tiny_cnn().train(), plan)
         F.cross_entropy(net(batches(1)[0][0]), batches(1)[0][1]).backward()  # every plan runs
+
+
+def test_knapsack_finds_the_smallest_choice_of_many_units_within_one_percent() -> None:
+    """500 units (a LoRA-tuned 30-layer Llama has ~400): rounding each option up to the DP's steps
+    must not cost more than the 1% ``smallest_map`` leaves above the least bytes."""
+    from lessmem.sensitivity.knapsack import least_value_choice
+
+    rng = random.Random(0)
+    small = [rng.randint(900, 1100) for _ in range(500)]
+    choice = least_value_choice([[1.0, 0.0]] * 500, [[b, 20 * b] for b in small], 1.01 * sum(small))
+    assert choice == [0] * 500

@@ -217,6 +217,77 @@ def test_fit_plans_a_lora_model_for_a_budget() -> None:
 BASE_PREFIX = "base_model.model."  # what peft.get_peft_model puts before every module name
 
 
+def hf_loss_step(model: nn.Module, ids: Tensor, labels: Tensor) -> tuple[Tensor, dict[str, Tensor], int]:
+    """The model's own loss on ``ids``, its trainable gradients and the bytes its graph saved."""
+    saved: dict[tuple, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        saved[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
+        return t
+
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, sum(saved.values())
+
+
+def test_chunked_loss_is_hfs_loss_keeping_only_the_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``use_chunked_loss``: the model's own loss and LoRA gradients as HF's, ignored labels
+    included, with chunks of 5 rows; the loss keeps less than HF's float32 log-probabilities."""
+    from lessmem.core.ops import cross_entropy
+    from lessmem.integrations.hf import use_chunked_loss
+
+    monkeypatch.setattr(cross_entropy, "CHUNK_BYTES", 5 * 4 * VOCAB)
+    ids = token_batch()
+    labels = ids.clone()
+    labels[:, :3] = -100
+    model = lora_llama()
+    loss, grads, stock_bytes = hf_loss_step(model, ids, labels)
+    chunked_loss, chunked_grads, chunked_bytes = hf_loss_step(use_chunked_loss(model), ids, labels)
+    torch.testing.assert_close(chunked_loss, loss)
+    assert grads.keys() == chunked_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, msg=name)
+    assert chunked_bytes <= stock_bytes + 4 * BATCH * TOKENS + 4  # the logits for HF's log-softmax, a float a row
+
+
+def test_chunked_loss_lowers_the_whole_step_peak_by_a_copy_of_the_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bfloat16 model whose logits outweigh its layers (vocabulary 4096, width 64): HF's loss backward
+    holds three float32 tensors of the logits' size at once (its log-softmax and two gradients), the
+    chunked loss two bfloat16 ones (the logits and their gradient)."""
+    from lessmem.core.ops import cross_entropy
+    from lessmem.integrations.hf import model_loss, use_chunked_loss
+    from lessmem.integrations.schedule import BatchCall, output_is_loss
+
+    monkeypatch.setattr(cross_entropy, "CHUNK_BYTES", 16 * 4 * 4096)  # 1/8 of the rows a chunk, as at long contexts
+    ids = token_batch()
+
+    def peak(chunked: bool) -> int:
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=4096, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=4, max_position_embeddings=TOKENS)).bfloat16().train()
+        call = BatchCall(use_chunked_loss(model) if chunked else model, ((), {"input_ids": ids, "labels": ids}), model_loss)
+        return lessmem.measure_step_memory(call, (ids, ids), loss_fn=output_is_loss, live=False).peak_bytes
+
+    assert peak(False) - peak(True) >= BATCH * TOKENS * 4096 * 4
+
+
+def test_chunked_cross_entropy_sums_over_the_trainers_count_and_rejects_bad_shapes() -> None:
+    logits = torch.randn(12, 7, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(7, (12,))
+    lessmem.chunked_cross_entropy(logits, targets, divisor=5).backward()
+    reference = logits.detach().float().requires_grad_()
+    (F.cross_entropy(reference, targets, reduction="sum") / 5).backward()
+    torch.testing.assert_close(logits.grad, reference.grad.bfloat16())
+    with pytest.raises(ValueError, match="logits \\(rows, classes\\)"):
+        lessmem.chunked_cross_entropy(logits[None], targets)
+    with pytest.raises(ValueError, match="no HF transformers model"):
+        from lessmem.integrations.hf import use_chunked_loss
+        use_chunked_loss(nn.Linear(2, 2))
+
+
 def lora_overrides(tiny_lm: tuple[str, ...], checkpoint: Path) -> list[str]:
     """``tiny_lm`` on experiment=lora_quick: the same tiny Llama, 0.1 MB of docstrings."""
     return ["experiment=lora_quick", *tiny_lm[1:], "dataset.size_mb=0.1", f"model.init_checkpoint={checkpoint}"]

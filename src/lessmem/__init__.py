@@ -4,7 +4,7 @@ The library (torch only): ``compress``, ``uncompress``, ``measure_memory`` (save
 bytes), ``measure_step_memory`` (whole-step peak), ``coverage``, ``measure_menu``
 (every compression choice a ``MenuOptions`` offers: its bytes and gradient error; ``MenuResult.make_map`` picks a map) and
 ``fit`` (a plan whose whole training step fits a memory budget: ``compress(model, fit(...).plan)``)
-below; every chooser hands back one ``CompressionPlan``, what ``compress`` takes. The
+below, and ``causal_lm_loss`` (a language model's loss that keeps only its logits for backward); every chooser hands back one ``CompressionPlan``, what ``compress`` takes. The
 experiment framework (Hydra, Optuna, W&B) is built on it in ``lessmem.experiment``, ``lessmem.search``, ``lessmem.reporting`` and ``lessmem.cli``; see
 docs/architecture.md for the layers and the one direction their imports run.
 """
@@ -15,6 +15,8 @@ from lessmem.core import (
     LayerSpec,
     MemoryReport,
     StepMemoryReport,
+    causal_lm_loss,
+    chunked_cross_entropy,
     compress,
     compressed_layers,
     compressible_layers,
@@ -37,6 +39,8 @@ __all__ = [
     "MenuResult",
     "ScoredPlan",
     "StepMemoryReport",
+    "causal_lm_loss",
+    "chunked_cross_entropy",
     "compress",
     "compressed_layers",
     "compressible_layers",

@@ -20,6 +20,7 @@ from lessmem.core.coverage import CoverageReport, coverage
 from lessmem.core.kernels.cpu import build_cpu_kernels
 from lessmem.core.mapping import compressible_layers, first_match, resolve_mapping
 from lessmem.core.memory import MemoryReport, measure_memory
+from lessmem.core.ops.cross_entropy import causal_lm_loss, chunked_cross_entropy
 from lessmem.core.ops.dispatch import kept_by_graph
 from lessmem.core.ops.pooling import expand_blocks, expand_tokens, pool_blocks, pool_tokens
 from lessmem.core.ops.recomputed_region import recomputed_modules
@@ -62,6 +63,8 @@ __all__ = [
     "StepMemoryReport",
     "alternating_step_times",
     "build_cpu_kernels",
+    "causal_lm_loss",
+    "chunked_cross_entropy",
     "compress",
     "compressed_layers",
     "compressible_layers",

@@ -8,7 +8,10 @@ the Trainer hands batches to no callback), compresses the model in place before 
 the trainer's optimizer and the model's own loss, so the batches need labels), and at the step's
 end logs the figures through ``trainer.log``: the trainer's log history and every ``report_to``
 integration (W&B when it is on). It holds the trainer for that: the events it gets carry no handle
-to log through."""
+to log through.
+
+``use_chunked_loss(model)`` makes the model's own loss one that keeps only the logits for backward
+(``lessmem.causal_lm_loss``): at long contexts the loss, not the layers, holds most bytes."""
 
 from __future__ import annotations
 
@@ -18,9 +21,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import (
+    PreTrainedModel,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 
-from lessmem.core import CompressionPlan
+from lessmem.core import CompressionPlan, causal_lm_loss
 from lessmem.integrations.schedule import BatchCall, CompressionSchedule
 
 if TYPE_CHECKING:
@@ -80,3 +89,16 @@ def _watching(callback: LessmemCallback, model: nn.Module) -> Callable[[nn.Modul
         if module is model:
             callback.before_forward(module, args, kwargs)
     return hook
+
+
+def use_chunked_loss(model: nn.Module) -> nn.Module:
+    """Make an HF causal LM's own loss (``model(input_ids, labels=...)``, the Trainer's) lessmem's
+    ``causal_lm_loss``: the same next-token cross-entropy to float rounding, keeping the logits
+    alone for backward instead of float32 log-probabilities of every token. ``model`` may be
+    wrapped (a PEFT model): the loss goes to every submodule with HF's ``loss_function``."""
+    owners = [m for m in model.modules() if isinstance(m, PreTrainedModel) and hasattr(type(m), "loss_function")]
+    if not owners:
+        raise ValueError(f"lessmem: {type(model).__name__} holds no HF transformers model with a loss_function")
+    for owner in owners:
+        owner.loss_function = causal_lm_loss
+    return model

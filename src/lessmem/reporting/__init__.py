@@ -6,7 +6,6 @@ W&B ``Table``. The CLI scripts live in ``analysis/``.
 """
 
 from lessmem.reporting.directory import report_dir
-from lessmem.reporting.pareto import pareto_front
 from lessmem.reporting.plots import (
     plot_accuracy_curves,
     plot_batch_plan,
@@ -15,7 +14,7 @@ from lessmem.reporting.plots import (
     pyplot,
     save_figure,
 )
-from lessmem.reporting.rows import COLUMNS, MiB, kernel_summary, row_from
+from lessmem.reporting.rows import COLUMNS, MiB, kernel_summary, pareto_front, row_from
 from lessmem.reporting.runs import load_runs
 from lessmem.reporting.searches import load_search
 from lessmem.reporting.sweep_callback import WandbSweepCallback

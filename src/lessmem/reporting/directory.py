@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lessmem.reporting.pareto import pareto_front
 from lessmem.reporting.plots import plot_accuracy_curves, plot_memory_vs_accuracy
+from lessmem.reporting.rows import pareto_front
 from lessmem.reporting.runs import load_runs
 from lessmem.reporting.searches import is_search_dir, load_search
 from lessmem.reporting.tables import markdown_table, write_csv

@@ -7,8 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lessmem.reporting.pareto import pareto_front
-from lessmem.reporting.rows import MiB, accuracy_key, is_number
+from lessmem.reporting.rows import MiB, accuracy_key, is_number, pareto_front
 
 
 def pyplot() -> Any:

@@ -85,3 +85,16 @@ def accuracy_key(rows: Sequence[Mapping[str, Any]]) -> str:
 def is_number(v: Any) -> bool:
     """A finite int or float (not a bool, None or NaN): a value that can be plotted and ranked."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def pareto_front(rows: Sequence[Mapping[str, Any]], mem: str = "saved_bytes",
+                 acc: str | None = None) -> list[dict[str, Any]]:
+    """Non-dominated rows for (min ``mem``, max ``acc``; default: :func:`accuracy_key`), sorted
+    by memory; one per point (the first of equal rows). Rows without finite values are left out."""
+    acc = acc or accuracy_key(rows)
+    pts = [r for r in rows if is_number(r.get(mem)) and is_number(r.get(acc))]
+    front: list[dict[str, Any]] = []
+    for r in sorted(pts, key=lambda r: (r[mem], -r[acc])):
+        if not front or r[acc] > front[-1][acc]:
+            front.append(dict(r))
+    return front

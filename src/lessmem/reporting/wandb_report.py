@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from lessmem.reporting.directory import load_any
-from lessmem.reporting.pareto import pareto_front
 from lessmem.reporting.plots import plot_memory_vs_accuracy
-from lessmem.reporting.rows import COLUMNS, accuracy_key
+from lessmem.reporting.rows import COLUMNS, accuracy_key, pareto_front
 
 
 def log_wandb(run: Any, rows: Sequence[Mapping[str, Any]], *, key: str = "tradeoff", pareto: bool = False,

@@ -1,0 +1,327 @@
+"""How long a context fits: the longest sequence whose whole LoRA training step (batch 1, forward,
+backward, AdamW on the adapters) peaks within each memory budget, for a ~135M-parameter
+Llama-architecture model (SmolLM-135M's shape: hidden 576, 30 layers, 9 heads / 3 key-value heads,
+MLP 1536, vocabulary 49,152, tied embeddings; random init) in bfloat16 with LoRA r 16 on all seven
+projections (issue 45).
+
+Configurations, each on the model's own HF loss (``model(input_ids, labels=...)``):
+  hf                             stock
+  hf_checkpointing               ``gradient_checkpointing_enable()`` (non-reentrant)
+  hf_checkpointing_chunked_loss  the same with ``lessmem.integrations.hf.use_chunked_loss`` (what the
+                                 loss alone is worth)
+  lessmem_lossy                  the plan ``lessmem.fit(memory_budget=...)`` gives at the longest
+                                 length that fits (the floor of its menu, measured at --probe-length),
+                                 with the chunked loss
+  lessmem_exact                  the same for ``fit(fidelity="exact")`` (its exact floor), chunked loss
+
+Per configuration, whole-step peaks at two lengths give a line (a peak: the bytes of the tensors alive
+before the step, parameters, optimizer state and batch, plus the growth of the process's resident set
+during it, glibc's mmap threshold fixed so that it tracks live bytes (``lessmem.core.peak_rss_growth``);
+torch's profiler, ``lessmem.measure_step_memory``, needs some 10 GB of its own at 2,048 tokens here, and
+its peak at the first length is printed beside as a cross-check); per budget its predicted longest length (a multiple of
+--granularity) is verified by a real profiled step, and moved down by the overshoot until one fits
+(the next length up is predicted over). Step time: every configuration at --time-length, steps taking
+turns (process CPU time), over HF stock's and HF checkpointing's. Gradient error: the LoRA gradients'
+largest relative difference to HF stock's at --probe-length.
+
+    python benchmarks/context.py --csv docs/results/budget/context.csv --plot docs/results/budget/context.png
+    python benchmarks/context.py --plot-only docs/results/budget/context.csv --plot docs/results/budget/context.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lessmem.core import (
+    FIXED_MMAP_ENV,
+    CompressionPlan,
+    alternating_step_times,
+    compress,
+    measure_step_memory,
+    peak_rss_growth,
+    training_step,
+)
+from lessmem.integrations.hf import model_loss, use_chunked_loss
+from lessmem.integrations.schedule import BatchCall, output_is_loss
+from lessmem.sensitivity import budget_profile, format_bytes, parse_bytes
+from lessmem.sensitivity.exact_fit import bare_plans, exact_plans
+
+MIB = 2**20
+SHAPES = {
+    "smollm_135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                        num_attention_heads=9, num_key_value_heads=3),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
+}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CONFIGS = ("hf", "hf_checkpointing", "hf_checkpointing_chunked_loss", "lessmem_lossy", "lessmem_exact")
+MAX_STEPS = 4  # verification steps per budget
+
+
+def build(shape: str, max_length: int, seed: int) -> nn.Module:
+    """The bfloat16 model with LoRA r 16 (float32 adapters, as PEFT makes them)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=max_length, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS)).train()
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-4)
+
+
+def batch_of(model: nn.Module, length: int, seed: int = 0) -> tuple[BatchCall, tuple[torch.Tensor, torch.Tensor]]:
+    """One sequence of ``length`` random tokens as its own labels, and the model's loss on it."""
+    vocab = model.get_input_embeddings().num_embeddings
+    tokens = torch.randint(vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+    return BatchCall(model, ((), {"input_ids": tokens, "labels": tokens}), model_loss), (tokens, tokens)
+
+
+class Setup:
+    """One configuration's model and optimizer, its optimizer state made by a short step."""
+
+    def __init__(self, name: str, args: argparse.Namespace, plans: dict[str, CompressionPlan]) -> None:
+        self.name, self.measure = name, args.measure
+        self.model = build(args.shape, args.max_length, args.seed)
+        if name.startswith("hf_checkpointing"):
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if name != "hf" and name != "hf_checkpointing":
+            use_chunked_loss(self.model)
+        if name in plans:
+            compress(self.model, plans[name])
+        self.optimizer = adamw(self.model.parameters())
+        self.step(64)
+
+    def step(self, length: int) -> None:
+        call, batch = batch_of(self.model, length)
+        training_step(call, batch, self.optimizer, output_is_loss)
+
+    def peak(self, length: int) -> int:
+        """The step's peak: the bytes of the tensors alive before it (parameters, optimizer state,
+        the batch) plus the growth of the process's resident set during it (--measure rss), or the
+        profiler's (--measure profiler)."""
+        if self.measure == "profiler":
+            return self.profiled_peak(length)
+        call, batch = batch_of(self.model, length)
+        state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        static = sum(t.untyped_storage().nbytes() for t in [*self.model.parameters(), *state, batch[0]])
+        return static + peak_rss_growth(lambda: training_step(call, batch, self.optimizer, output_is_loss))
+
+    def profiled_peak(self, length: int) -> int:
+        """The same step's peak by torch's profiler (CPU tensor allocations), for a cross-check."""
+        call, batch = batch_of(self.model, length)
+        return measure_step_memory(call, batch, optimizer=self.optimizer, loss_fn=output_is_loss, warmup_steps=0,
+                                   live=False).peak_bytes
+
+
+def fix_mmap_threshold() -> None:
+    """glibc's mmap threshold fixed now, as ``FIXED_MMAP_ENV`` fixes it at start-up: blocks above it are
+    unmapped when freed, so the resident set tracks live bytes (``peak_rss_growth``)."""
+    libc, m_mmap_threshold = ctypes.CDLL("libc.so.6"), -3
+    if libc.mallopt(m_mmap_threshold, int(FIXED_MMAP_ENV["MALLOC_MMAP_THRESHOLD_"])) != 1:
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: the resident-set peaks would not track live bytes")
+    os.environ.update(FIXED_MMAP_ENV)
+
+
+def lessmem_plans(args: argparse.Namespace) -> dict[str, CompressionPlan]:
+    """What ``lessmem.fit`` reaches at its floor, measured at --probe-length with the chunked loss:
+    the lossy menu's smallest map, and the lower of the exact ladders' floors."""
+    model = use_chunked_loss(build(args.shape, args.max_length, args.seed))
+    call, batch = batch_of(model, args.probe_length)
+    started = time.perf_counter()
+    lossy = budget_profile(call, batch, optimizer=adamw, loss_fn=output_is_loss).floor_map
+    assert lossy is not None
+    plans, costs = exact_plans(call, batch[0], 1.0)
+    floors = [plans[-1], *bare_plans(costs)[-1:]]
+    peaks = []
+    for plan in floors:
+        setup = Setup("probe", args, {"probe": plan})
+        peaks.append(setup.profiled_peak(args.probe_length))  # short blocks: the resident set reuses freed pages
+    exact = floors[peaks.index(min(peaks))]
+    print(f"plans measured at {args.probe_length} tokens in {time.perf_counter() - started:.0f} s: lossy floor saves "
+          f"{lossy.score['bytes'] / MIB:.1f} MiB (predicted gradient error {lossy.score.get('grad_error', 0):.3f}); exact floor "
+          f"{'lessmem ladder' if exact is floors[0] else 'plain checkpointing'} "
+          f"({len(exact.recompute)} regions recomputed), step peaks {[format_bytes(p) for p in peaks]}", flush=True)
+    return {"lessmem_lossy": lossy.plan, "lessmem_exact": exact}
+
+
+def longest(setup: Setup, budget: int, points: dict[int, int], args: argparse.Namespace) -> dict:
+    """The longest length (a multiple of the granularity) whose verified peak fits ``budget``."""
+    granularity, best, over = args.granularity, None, math.inf
+    for _ in range(MAX_STEPS):
+        near = sorted(points, key=lambda n: abs(points[n] - budget))[:2]
+        (n0, p0), (n1, p1) = sorted((n, points[n]) for n in near)
+        slope = (p1 - p0) / (n1 - n0)
+        guess = int((n0 + (budget - p0) / slope) // granularity * granularity) if slope > 0 else args.cap
+        guess = max(granularity, min(guess, args.cap, over - granularity))
+        if best is not None and guess <= best:
+            break
+        if guess not in points:  # a length verified for a smaller budget needs no second step
+            started = time.perf_counter()
+            points[guess] = setup.peak(guess)
+            print(f"  {setup.name} at {guess} tokens: peak {format_bytes(points[guess])} (budget {format_bytes(budget)}, "
+                  f"{time.perf_counter() - started:.0f} s)", flush=True)
+        if points[guess] <= budget:
+            best = guess
+            if guess == args.cap or guess + granularity >= over:
+                break
+        else:
+            over = guess
+    if best is None:
+        return {"config": setup.name, "budget_bytes": budget, "length": 0, "peak_bytes": "", "next_over": over}
+    return {"config": setup.name, "budget_bytes": budget, "length": best, "peak_bytes": points[best],
+            "next_over": over if over < math.inf else "", "capped": best == args.cap}
+
+
+def gradient_errors(args: argparse.Namespace, plans: dict[str, CompressionPlan]) -> dict[str, float]:
+    """Per configuration, the LoRA gradients' largest relative difference to HF stock's."""
+    def grads(name: str) -> list[torch.Tensor]:
+        setup = Setup(name, args, plans)
+        call, batch = batch_of(setup.model, args.probe_length, seed=1)
+        setup.model.zero_grad(set_to_none=True)
+        output_is_loss(call(batch[0]), batch[1]).backward()
+        return [p.grad.float() for p in setup.model.parameters() if p.grad is not None]
+
+    reference = grads("hf")
+    return {name: max(float((g - r).norm() / r.norm()) for g, r in zip(grads(name), reference, strict=True))
+            for name in args.configs if name != "hf"} | {"hf": 0.0}
+
+
+def step_times(setups: list[Setup], args: argparse.Namespace) -> dict[str, float]:
+    """Median step seconds of every configuration at --time-length, steps taking turns."""
+    steps: list[Callable[[], object]] = []
+    for setup in setups:
+        call, batch = batch_of(setup.model, args.time_length)
+        steps.append(lambda c=call, b=batch, o=setup.optimizer: training_step(c, b, o, output_is_loss))
+    times = alternating_step_times(steps, args.repeats, clock=time.process_time)
+    return {s.name: statistics.median(t) for s, t in zip(setups, times, strict=True)}
+
+
+def table(rows: list[dict], budgets: list[int]) -> str:
+    """Markdown: per configuration, the longest length per budget (its verified peak), step time."""
+    head = ["configuration", *(f"{format_bytes(b)}" for b in budgets), "step time", "gradient error"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for name in dict.fromkeys(r["config"] for r in rows):
+        mine = {int(r["budget_bytes"]): r for r in rows if r["config"] == name}
+        cells = []
+        for b in budgets:
+            r = mine.get(b)
+            if r is None or not int(r["length"]):
+                cells.append("none" if r is not None else "")
+                continue
+            capped = "≥ " if str(r.get("capped")) == "True" else ""
+            cells.append(f"{capped}{int(r['length'])} ({float(r['peak_bytes']) / MIB:.0f} MiB)")
+        first = next(iter(mine.values()))
+        timing = ""
+        if first.get("step_s") not in (None, ""):
+            vs_ckpt = float(first["step_vs_checkpointing"])
+            timing = (f"{float(first['step_s']):.3g} s, {float(first['step_vs_hf']):.2f}x HF"
+                      + ("" if math.isnan(vs_ckpt) else f", {vs_ckpt:.2f}x ckpt"))
+        error = f"{float(first['grad_error']):.1e}" if first.get("grad_error") not in (None, "") else ""
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {timing} | {error} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out: str) -> None:
+    """Grouped bars: tokens per budget per configuration, each labelled with its step time."""
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["config"] for r in rows))
+    budgets = sorted({int(r["budget_bytes"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(8, 4.4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        mine = {int(r["budget_bytes"]): r for r in rows if r["config"] == name}
+        lengths = [int(mine[b]["length"]) if b in mine else 0 for b in budgets]
+        step = mine[budgets[0]].get("step_vs_hf") if budgets[0] in mine else None
+        label = f"{name} ({float(step):.2f}x HF's step)" if step not in (None, "") else name
+        bars = ax.bar([j + (i - (len(names) - 1) / 2) * width for j in range(len(budgets))], lengths, width, label=label)
+        ax.bar_label(bars, fontsize=6)
+    ax.set_xticks(range(len(budgets)), [format_bytes(b) for b in budgets])
+    ax.set(xlabel="whole-step memory budget", ylabel="longest sequence that fits (tokens, verified)",
+           title="LoRA r16 on a 135M Llama (bf16, batch 1): context per budget")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--budgets", nargs="+", default=["1GiB", "2GiB", "4GiB"])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    p.add_argument("--shape", default="smollm_135m", choices=sorted(SHAPES))
+    p.add_argument("--lengths", nargs=2, type=int, default=[512, 1024], help="the two lengths each line starts from")
+    p.add_argument("--probe-length", type=int, default=256, help="lessmem's plans and the gradient check")
+    p.add_argument("--time-length", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--measure", default="rss", choices=["rss", "profiler"],
+                   help="how a step's peak is read (profiler: tiny models; it needs gigabytes of its own at long lengths)")
+    p.add_argument("--time-only", action="store_true", help="the step times alone (and the gradient errors)")
+    p.add_argument("--granularity", type=int, default=64)
+    p.add_argument("--cap", type=int, default=16384, help="the longest length tried")
+    p.add_argument("--max-length", type=int, default=32768, help="the model's max_position_embeddings")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--csv")
+    p.add_argument("--plot")
+    p.add_argument("--plot-only", help="a CSV this script wrote: print its table and plot it, measure nothing")
+    args = p.parse_args()
+    if args.plot_only:
+        with open(args.plot_only, newline="") as f:
+            rows = list(csv.DictReader(f))
+        print(table(rows, sorted({int(r["budget_bytes"]) for r in rows})))
+        if args.plot:
+            plot(rows, args.plot)
+        return
+    fix_mmap_threshold()
+    torch.set_num_threads(args.threads)
+    budgets = sorted(parse_bytes(b) for b in args.budgets)
+    plans = lessmem_plans(args) if any(c.startswith("lessmem") for c in args.configs) else {}
+    errors = gradient_errors(args, plans)
+    setups = [Setup(name, args, plans) for name in args.configs]
+    timed = step_times(setups, args)
+    print(f"step seconds at {args.time_length} tokens: {timed}", flush=True)
+    if args.time_only:
+        print(" | ".join(f"{name} {t / timed['hf']:.2f}x HF" + (f", {t / timed['hf_checkpointing']:.2f}x ckpt"
+                                                              if "hf_checkpointing" in timed else "")
+                         for name, t in timed.items() if "hf" in timed))
+        return
+    rows = []
+    for setup in setups:
+        points = {n: setup.peak(n) for n in args.lengths}
+        profiled = setup.profiled_peak(args.lengths[0])
+        print(f"{setup.name}: peaks {[format_bytes(v) for v in points.values()]} at {list(points)} tokens (the "
+              f"profiler's at {args.lengths[0]}: {format_bytes(profiled)})", flush=True)
+        for budget in budgets:
+            row = longest(setup, budget, points, args)
+            row |= {"profiled_peak_bytes": profiled, "profiled_length": args.lengths[0], "step_s": timed[setup.name], "step_vs_hf": timed[setup.name] / timed.get("hf", math.nan),
+                    "step_vs_checkpointing": timed[setup.name] / timed.get("hf_checkpointing", math.nan),
+                    "time_length": args.time_length, "grad_error": errors[setup.name]}
+            rows.append(row)
+            if args.csv:
+                with open(args.csv, "w", newline="") as f:
+                    writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
+                    writer.writeheader()
+                    writer.writerows(rows)
+        del setup.model, setup.optimizer
+    print(table(rows, budgets))
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()
