@@ -18,7 +18,8 @@ Per configuration, whole-step peaks at two lengths give a line (a peak: the byte
 before the step, parameters, optimizer state and batch, plus the growth of the process's resident set
 during it, glibc's mmap threshold fixed so that it tracks live bytes (``lessmem.core.peak_rss_growth``);
 torch's profiler, ``lessmem.measure_step_memory``, needs some 10 GB of its own at 2,048 tokens here, and
-its peak at the first length is printed beside as a cross-check); per budget its predicted longest length (a multiple of
+its peak at the first length is printed beside as a cross-check; the resident set reads low in a process
+whose heap holds freed chunks, as one that ran the profiler does: docs/results/budget.md); per budget its predicted longest length (a multiple of
 --granularity) is verified by a real profiled step, and moved down by the overshoot until one fits
 (the next length up is predicted over). Step time: every configuration at --time-length, steps taking
 turns (process CPU time), over HF stock's and HF checkpointing's. Gradient error: the LoRA gradients'
@@ -249,7 +250,7 @@ def plot(rows: list[dict], out: str) -> None:
         step = mine[budgets[0]].get("step_vs_hf") if budgets[0] in mine else None
         label = f"{name} ({float(step):.2f}x HF's step)" if step not in (None, "") else name
         bars = ax.bar([j + (i - (len(names) - 1) / 2) * width for j in range(len(budgets))], lengths, width, label=label)
-        ax.bar_label(bars, fontsize=6)
+        ax.bar_label(bars, labels=[str(n) if n else "not measured" for n in lengths], fontsize=6)
     ax.set_xticks(range(len(budgets)), [format_bytes(b) for b in budgets])
     ax.set(xlabel="whole-step memory budget", ylabel="longest sequence that fits (tokens, verified)",
            title="LoRA r16 on a 135M Llama (bf16, batch 1): context per budget")
