@@ -63,9 +63,10 @@ def adapter(layer: int, projection: str, part: str = "lora_A") -> str:
     return f"base_model.model.model.layers.{layer}.{block}.{projection}.{part}" + ("" if part == "base_layer" else ".default")
 
 
-def saved_by_module(model: nn.Module, ids: Tensor) -> dict[str, int]:
-    """Independent count: each storage autograd saves in one forward, whole and once, under the
-    innermost module running when it was first saved; parameters, buffers and the batch excluded."""
+def saved_by_module(model: nn.Module, ids: Tensor, **inputs: Tensor) -> dict[str, int]:
+    """Independent count: each storage autograd saves in one forward (``model(ids, **inputs)``), whole
+    and once, under the innermost module running when it was first saved; parameters, buffers and the
+    batch excluded."""
     held = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), ids]}
     stack, seen, kept = [""], set(), []
     counts: dict[str, int] = {}
@@ -85,7 +86,7 @@ def saved_by_module(model: nn.Module, ids: Tensor) -> dict[str, int]:
                for h in (m.register_forward_pre_hook(lambda mod, args, n=name: stack.append(n)), m.register_forward_hook(leave))]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = model(ids)
+            out = model(ids, **inputs)
         del out
     finally:
         for h in handles:
@@ -218,18 +219,13 @@ BASE_PREFIX = "base_model.model."  # what peft.get_peft_model puts before every 
 
 
 def hf_loss_step(model: nn.Module, ids: Tensor, labels: Tensor) -> tuple[Tensor, dict[str, Tensor], int]:
-    """The model's own loss on ``ids``, its trainable gradients and the bytes its graph saved."""
-    saved: dict[tuple, int] = {}
-
-    def pack(t: Tensor) -> Tensor:
-        saved[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
-        return t
-
+    """The model's own loss on ``ids``, its trainable gradients and the bytes its graph saves
+    (``saved_by_module``'s count, summed)."""
     model.zero_grad(set_to_none=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(input_ids=ids, labels=labels).loss
+    loss = model(input_ids=ids, labels=labels).loss
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, sum(saved.values())
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, sum(saved_by_module(model, ids, labels=labels).values())
 
 
 def test_chunked_loss_is_hfs_loss_keeping_only_the_logits(monkeypatch: pytest.MonkeyPatch) -> None:
