@@ -23,7 +23,8 @@ whose heap holds freed chunks, as one that ran the profiler does: docs/results/b
 --granularity) is verified by a real profiled step, and moved down by the overshoot until one fits
 (the next length up is predicted over). Step time: every configuration at --time-length, steps taking
 turns (process CPU time), over HF stock's and HF checkpointing's. Gradient error: the LoRA gradients'
-largest relative difference to HF stock's at --probe-length.
+largest relative difference to HF stock's at --probe-length, each model after its own warm-up step
+(the one that makes the optimizer state).
 
     python benchmarks/context.py --csv docs/results/budget/context.csv --plot docs/results/budget/context.png
     python benchmarks/context.py --plot-only docs/results/budget/context.csv --plot docs/results/budget/context.png
