@@ -44,7 +44,10 @@ def hf_trainer(tmp_path: Path, model: nn.Module) -> Any:
 def test_hf_trainer_compresses_a_lora_model_and_logs_through_the_trainer(tmp_path: Path) -> None:
     model = lora_llama()
     trainer = hf_trainer(tmp_path, model)
-    callback = hf.LessmemCallback(trainer, lessmem.CompressionPlan({"*lora_A*": "int8", "*lora_B*": "int8"}, act_storage="int8"))
+    # saved_storage gives the model hooks of its own, attached inside its forward's pre-hooks
+    plan = lessmem.CompressionPlan({"*lora_A*": "int8", "*lora_B*": "int8"}, act_storage="int8",
+                                   saved_storage={"*self_attn": "int8"})
+    callback = hf.LessmemCallback(trainer, plan)
     trainer.add_callback(callback)
     trainer.train()
     assert any(".lora_A." in name for name in lessmem.compressed_layers(model))

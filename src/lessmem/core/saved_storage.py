@@ -213,6 +213,8 @@ class _Hooks:
 
 
 def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    if RULE_ATTR not in module.__dict__:
+        return  # detached by a pre-hook earlier in this call (a plan re-applied): its post-hook is gone too
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     ours = getattr(top[0], "__self__", None) if top is not None else None
     outer, held = (ours.outer, ours.held) if isinstance(ours, _Hooks) else (top, frozenset())
@@ -257,6 +259,18 @@ def attach(module: nn.Module, storage: Storage, *, in_layer: bool = False, is_mo
     post = module.register_forward_hook(_leave, always_call=True)
     module.__dict__[RULE_ATTR] = (storage, in_layer, is_model)
     module.__dict__[HOOK_IDS_ATTR] = (pre.id, post.id)
+
+
+def attached(module: nn.Module) -> bool:
+    """Whether ``module`` has ``saved_storage`` hooks of its own."""
+    return RULE_ATTR in module.__dict__
+
+
+def enter_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """What ``module``'s pre-hook does, for a call whose pre-hooks torch took before ``attach``
+    added it (a plan applied from the module's own forward pre-hook): the post-hook, taken after
+    the forward, leaves it."""
+    _enter(module, args, kwargs)
 
 
 def detach(module: nn.Module) -> None:

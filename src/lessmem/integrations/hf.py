@@ -29,7 +29,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from lessmem.core import CompressionPlan, causal_lm_loss
+from lessmem.core import CompressionPlan, causal_lm_loss, saved_storage
 from lessmem.integrations.schedule import BatchCall, CompressionSchedule
 
 if TYPE_CHECKING:
@@ -78,8 +78,12 @@ class LessmemCallback(TrainerCallback):
         if not (model.training and torch.is_grad_enabled()) or not self.schedule.due(self.trainer.state.global_step):
             return
         optimizer = self.trainer.optimizer
+        had_hooks = saved_storage.attached(model)
         self.schedule.apply(model, BatchCall(model, (args, kwargs), model_loss), self.trainer.state.global_step,
                             optimizer=getattr(optimizer, "optimizer", optimizer))  # accelerate wraps the optimizer
+        if saved_storage.attached(model) and not had_hooks:
+            # torch took this call's pre-hooks before the plan added the model's own: enter it for this call
+            saved_storage.enter_forward(model, args, kwargs)
 
 
 def _watching(callback: LessmemCallback, model: nn.Module) -> Callable[[nn.Module, tuple, dict], None]:
