@@ -14,14 +14,16 @@ Configurations, each on the model's own HF loss (``model(input_ids, labels=...)`
                                  with the chunked loss
   lessmem_exact                  the same for ``fit(fidelity="exact")`` (its exact floor), chunked loss
 
-Per configuration, whole-step peaks at two lengths give a line (a peak: the bytes of the tensors alive
-before the step, parameters, optimizer state and batch, plus the growth of the process's resident set
-during it, glibc's mmap threshold fixed so that it tracks live bytes (``lessmem.core.peak_rss_growth``);
-torch's profiler, ``lessmem.measure_step_memory``, needs some 10 GB of its own at 2,048 tokens here, and
-its peak at the first length is printed beside as a cross-check; the resident set reads low in a process
-whose heap holds freed chunks, as one that ran the profiler does: docs/results/budget.md); per budget its predicted longest length (a multiple of
---granularity) is verified by a real profiled step, and moved down by the overshoot until one fits
-(the next length up is predicted over). Step time: every configuration at --time-length, steps taking
+Per configuration, whole-step peaks at two lengths give a line; per budget its predicted longest length
+(a multiple of --granularity) is verified by a real step, and moved down by the overshoot until one fits
+(the next length up is predicted over). A peak is the bytes of the tensors alive before the step
+(parameters, optimizer state, batch) plus the growth of the resident set during it
+(``lessmem.core.peak_rss_growth``), each step in a fresh process started with glibc's mmap threshold
+fixed (``FIXED_MMAP_ENV``) and holding the model alone: there every block above the threshold is mapped
+when allocated and unmapped when freed, so the resident set tracks live bytes; in a process whose heap
+holds freed chunks (one that ran the profiler) it read up to 23% low (docs/results/budget.md). Torch's
+profiler (``lessmem.measure_step_memory``; --measure profiler for tiny models) needs some 10 GB of its
+own at 2,048 tokens here; its peak at the first length is printed beside as a cross-check. Step time: every configuration at --time-length, steps taking
 turns (process CPU time), over HF stock's and HF checkpointing's. Gradient error: the LoRA gradients'
 largest relative difference to HF stock's at --probe-length, each model after its own warm-up step
 (the one that makes the optimizer state).
@@ -34,12 +36,15 @@ from __future__ import annotations
 
 import argparse
 import csv
-import ctypes
 import math
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -96,7 +101,7 @@ class Setup:
     """One configuration's model and optimizer, its optimizer state made by a short step."""
 
     def __init__(self, name: str, args: argparse.Namespace, plans: dict[str, CompressionPlan]) -> None:
-        self.name, self.measure = name, args.measure
+        self.name = name
         self.model = build(args.shape, args.max_length, args.seed)
         if name.startswith("hf_checkpointing"):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -111,12 +116,9 @@ class Setup:
         call, batch = batch_of(self.model, length)
         training_step(call, batch, self.optimizer, output_is_loss)
 
-    def peak(self, length: int) -> int:
-        """The step's peak: the bytes of the tensors alive before it (parameters, optimizer state,
-        the batch) plus the growth of the process's resident set during it (--measure rss), or the
-        profiler's (--measure profiler)."""
-        if self.measure == "profiler":
-            return self.profiled_peak(length)
+    def resident_peak(self, length: int) -> int:
+        """The step's peak in this process: the bytes of the tensors alive before it (parameters,
+        optimizer state, the batch) plus the growth of the resident set during it."""
         call, batch = batch_of(self.model, length)
         state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         static = sum(t.untyped_storage().nbytes() for t in [*self.model.parameters(), *state, batch[0]])
@@ -129,13 +131,17 @@ class Setup:
                                    live=False).peak_bytes
 
 
-def fix_mmap_threshold() -> None:
-    """glibc's mmap threshold fixed now, as ``FIXED_MMAP_ENV`` fixes it at start-up: blocks above it are
-    unmapped when freed, so the resident set tracks live bytes (``peak_rss_growth``)."""
-    libc, m_mmap_threshold = ctypes.CDLL("libc.so.6"), -3
-    if libc.mallopt(m_mmap_threshold, int(FIXED_MMAP_ENV["MALLOC_MMAP_THRESHOLD_"])) != 1:
-        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: the resident-set peaks would not track live bytes")
-    os.environ.update(FIXED_MMAP_ENV)
+def fresh_peak(name: str, length: int, args: argparse.Namespace, plan_file: str | None) -> int:
+    """``Setup.resident_peak`` of configuration ``name`` at ``length`` tokens in a fresh process
+    started with ``FIXED_MMAP_ENV``, the plan (lessmem's configurations) read from ``plan_file``."""
+    command = [sys.executable, __file__, "--peak-of", name, "--at", str(length), "--shape", args.shape,
+               "--max-length", str(args.max_length), "--seed", str(args.seed), "--threads", str(args.threads),
+               *(["--plan-file", plan_file] if plan_file else [])]
+    done = subprocess.run(command, env=os.environ | FIXED_MMAP_ENV, capture_output=True, text=True)
+    if done.returncode != 0:
+        killed = " (killed: out of the machine's memory?)" if done.returncode < 0 else ""
+        raise RuntimeError(f"the step of {name} at {length} tokens failed in its own process{killed}:\n{done.stderr[-2000:]}")
+    return int(done.stdout.split()[-1])
 
 
 def lessmem_plans(args: argparse.Namespace) -> dict[str, CompressionPlan]:
@@ -160,8 +166,8 @@ def lessmem_plans(args: argparse.Namespace) -> dict[str, CompressionPlan]:
     return {"lessmem_lossy": lossy.plan, "lessmem_exact": exact}
 
 
-def longest(setup: Setup, budget: int, points: dict[int, int], args: argparse.Namespace) -> dict:
-    """The longest length (a multiple of the granularity) whose verified peak fits ``budget``."""
+def longest(name: str, peak: Callable[[int], int], budget: int, points: dict[int, int], args: argparse.Namespace) -> dict:
+    """The longest length (a multiple of the granularity) whose peak, verified by ``peak``, fits ``budget``."""
     granularity, best, over = args.granularity, None, math.inf
     for _ in range(MAX_STEPS):
         near = sorted(points, key=lambda n: abs(points[n] - budget))[:2]
@@ -173,8 +179,8 @@ def longest(setup: Setup, budget: int, points: dict[int, int], args: argparse.Na
             break
         if guess not in points:  # a length verified for a smaller budget needs no second step
             started = time.perf_counter()
-            points[guess] = setup.peak(guess)
-            print(f"  {setup.name} at {guess} tokens: peak {format_bytes(points[guess])} (budget {format_bytes(budget)}, "
+            points[guess] = peak(guess)
+            print(f"  {name} at {guess} tokens: peak {format_bytes(points[guess])} (budget {format_bytes(budget)}, "
                   f"{time.perf_counter() - started:.0f} s)", flush=True)
         if points[guess] <= budget:
             best = guess
@@ -183,8 +189,8 @@ def longest(setup: Setup, budget: int, points: dict[int, int], args: argparse.Na
         else:
             over = guess
     if best is None:
-        return {"config": setup.name, "budget_bytes": budget, "length": 0, "peak_bytes": "", "next_over": over}
-    return {"config": setup.name, "budget_bytes": budget, "length": best, "peak_bytes": points[best],
+        return {"config": name, "budget_bytes": budget, "length": 0, "peak_bytes": "", "next_over": over}
+    return {"config": name, "budget_bytes": budget, "length": best, "peak_bytes": points[best],
             "next_over": over if over < math.inf else "", "capped": best == args.cap}
 
 
@@ -281,7 +287,15 @@ def main() -> None:
     p.add_argument("--csv")
     p.add_argument("--plot")
     p.add_argument("--plot-only", help="a CSV this script wrote: print its table and plot it, measure nothing")
+    p.add_argument("--peak-of", choices=CONFIGS, help=argparse.SUPPRESS)  # a fresh process's one step (fresh_peak)
+    p.add_argument("--at", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--plan-file", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.peak_of:
+        torch.set_num_threads(args.threads)
+        plans = {args.peak_of: CompressionPlan.read(args.plan_file)} if args.plan_file else {}
+        print(Setup(args.peak_of, args, plans).resident_peak(args.at))
+        return
     if args.plot_only:
         with open(args.plot_only, newline="") as f:
             rows = list(csv.DictReader(f))
@@ -289,7 +303,6 @@ def main() -> None:
         if args.plot:
             plot(rows, args.plot)
         return
-    fix_mmap_threshold()
     torch.set_num_threads(args.threads)
     budgets = sorted(parse_bytes(b) for b in args.budgets)
     plans = lessmem_plans(args) if any(c.startswith("lessmem") for c in args.configs) else {}
@@ -303,13 +316,17 @@ def main() -> None:
                          for name, t in timed.items() if "hf" in timed))
         return
     rows = []
+    plan_dir = tempfile.TemporaryDirectory()
+    plan_files = {name: str(plan.write(os.path.join(plan_dir.name, f"{name}.yaml"))) for name, plan in plans.items()}
     for setup in setups:
-        points = {n: setup.peak(n) for n in args.lengths}
+        peak = (partial(fresh_peak, setup.name, args=args, plan_file=plan_files.get(setup.name))
+                if args.measure == "rss" else setup.profiled_peak)
+        points = {n: peak(n) for n in args.lengths}
         profiled = setup.profiled_peak(args.lengths[0])
         print(f"{setup.name}: peaks {[format_bytes(v) for v in points.values()]} at {list(points)} tokens (the "
               f"profiler's at {args.lengths[0]}: {format_bytes(profiled)})", flush=True)
         for budget in budgets:
-            row = longest(setup, budget, points, args)
+            row = longest(setup.name, peak, budget, points, args)
             row |= {"profiled_peak_bytes": profiled, "profiled_length": args.lengths[0], "step_s": timed[setup.name], "step_vs_hf": timed[setup.name] / timed.get("hf", math.nan),
                     "step_vs_checkpointing": timed[setup.name] / timed.get("hf_checkpointing", math.nan),
                     "time_length": args.time_length, "grad_error": errors[setup.name]}

@@ -176,6 +176,28 @@ def test_budget_benchmark_exact_view_csv_and_plot(tmp_path: Path, stdout_of) -> 
     assert re.search(r"^\| 0.80x \| not measured \|.*\| \d+ (block|stage) \|.*\| not measured \|", baselines, re.M), baselines
 
 
+@pytest.mark.slow
+def test_context_benchmark_reads_a_fresh_process_peak_at_or_above_the_profiler(tmp_path: Path) -> None:
+    """Each step of the context table runs in a process of its own started with the mmap threshold
+    fixed: its resident-set peak never reads below the profiler's (it adds the process's own
+    non-tensor growth, a few MiB), with a plan handed over as a file."""
+    pytest.importorskip("peft")
+    import argparse
+
+    import lessmem
+
+    spec = importlib.util.spec_from_file_location("benchmark_context_fresh", BENCHMARKS / "context.py")
+    context = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(context)
+    args = argparse.Namespace(shape="tiny", max_length=2048, seed=0, threads=1)
+    plan = lessmem.CompressionPlan({"*lora_A*": "int8"}, saved_storage="int8")
+    plan_file = str(plan.write(tmp_path / "plan.yaml"))
+    for name, plans, file in (("hf", {}, None), ("lessmem_lossy", {"lessmem_lossy": plan}, plan_file)):
+        fresh = context.fresh_peak(name, 2048, args, file)
+        profiled = context.Setup(name, args, plans).profiled_peak(2048)
+        assert profiled <= fresh <= profiled + 16 * 2**20, (name, fresh, profiled)
+
+
 def test_context_benchmark_verifies_each_length_and_plots(tmp_path: Path, stdout_of) -> None:
     """The context table on a tiny Llama: every length it reports fits its budget by a real step, HF
     checkpointing with the chunked loss reaches longer than stock with the same gradients."""
