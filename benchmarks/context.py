@@ -11,7 +11,9 @@ Configurations, each on the model's own HF loss (``model(input_ids, labels=...)`
                                  loss alone is worth)
   lessmem_lossy                  the plan ``lessmem.fit(memory_budget=...)`` gives at the longest
                                  length that fits (the floor of its menu, measured at --probe-length),
-                                 with the chunked loss
+                                 with the chunked loss; with --lossy-ratio R, the menu's knapsack map at
+                                 R x stock's saved bytes instead (row ``lessmem_lossy_<R>x``: what fits a
+                                 shorter context, at less cost than the floor)
   lessmem_exact                  the same for ``fit(fidelity="exact")`` (its exact floor), chunked loss
 
 Per configuration, whole-step peaks at two lengths give a line; per budget its predicted longest length
@@ -150,8 +152,9 @@ def lessmem_plans(args: argparse.Namespace) -> dict[str, CompressionPlan]:
     model = use_chunked_loss(build(args.shape, args.max_length, args.seed))
     call, batch = batch_of(model, args.probe_length)
     started = time.perf_counter()
-    lossy = budget_profile(call, batch, optimizer=adamw, loss_fn=output_is_loss).floor_map
-    assert lossy is not None
+    profile = budget_profile(call, batch, optimizer=adamw, loss_fn=output_is_loss)
+    assert profile.menu is not None and profile.floor_map is not None
+    lossy = profile.menu.make_map(args.lossy_ratio) if args.lossy_ratio else profile.floor_map
     plans, costs = exact_plans(call, batch[0], 1.0)
     floors = [plans[-1], *bare_plans(costs)[-1:]]
     peaks = []
@@ -159,11 +162,16 @@ def lessmem_plans(args: argparse.Namespace) -> dict[str, CompressionPlan]:
         setup = Setup("probe", args, {"probe": plan})
         peaks.append(setup.profiled_peak(args.probe_length))  # short blocks: the resident set reuses freed pages
     exact = floors[peaks.index(min(peaks))]
-    print(f"plans measured at {args.probe_length} tokens in {time.perf_counter() - started:.0f} s: lossy floor saves "
+    print(f"plans measured at {args.probe_length} tokens in {time.perf_counter() - started:.0f} s: lossy "
+          f"{f'map at {args.lossy_ratio}x' if args.lossy_ratio else 'floor'} saves "
           f"{lossy.score['bytes'] / MIB:.1f} MiB (predicted gradient error {lossy.score.get('grad_error', 0):.3f}); exact floor "
           f"{'lessmem ladder' if exact is floors[0] else 'plain checkpointing'} "
           f"({len(exact.recompute)} regions recomputed), step peaks {[format_bytes(p) for p in peaks]}", flush=True)
     return {"lessmem_lossy": lossy.plan, "lessmem_exact": exact}
+
+
+def row_name(name: str, args: argparse.Namespace) -> str:
+    return f"{name}_{args.lossy_ratio}x" if name == "lessmem_lossy" and args.lossy_ratio else name
 
 
 def longest(name: str, peak: Callable[[int], int], budget: int, points: dict[int, int], args: argparse.Namespace) -> dict:
@@ -274,6 +282,8 @@ def main() -> None:
     p.add_argument("--shape", default="smollm_135m", choices=sorted(SHAPES))
     p.add_argument("--lengths", nargs=2, type=int, default=[512, 1024], help="the two lengths each line starts from")
     p.add_argument("--probe-length", type=int, default=256, help="lessmem's plans and the gradient check")
+    p.add_argument("--lossy-ratio", type=float, help="lessmem_lossy: the menu's map at this fraction of stock's "
+                   "saved bytes, not fit's floor")
     p.add_argument("--time-length", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--measure", default="rss", choices=["rss", "profiler"],
@@ -326,7 +336,7 @@ def main() -> None:
         print(f"{setup.name}: peaks {[format_bytes(v) for v in points.values()]} at {list(points)} tokens (the "
               f"profiler's at {args.lengths[0]}: {format_bytes(profiled)})", flush=True)
         for budget in budgets:
-            row = longest(setup.name, peak, budget, points, args)
+            row = longest(row_name(setup.name, args), peak, budget, points, args)
             row |= {"profiled_peak_bytes": profiled, "profiled_length": args.lengths[0], "step_s": timed[setup.name], "step_vs_hf": timed[setup.name] / timed.get("hf", math.nan),
                     "step_vs_checkpointing": timed[setup.name] / timed.get("hf_checkpointing", math.nan),
                     "time_length": args.time_length, "grad_error": errors[setup.name]}

@@ -177,6 +177,21 @@ def test_budget_benchmark_exact_view_csv_and_plot(tmp_path: Path, stdout_of) -> 
 
 
 @pytest.mark.slow
+def test_context_benchmark_rows_for_lessmems_lossy_plans(tmp_path: Path, stdout_of) -> None:
+    """lessmem's rows on a tiny Llama: fit's menu (its floor and the exact ladders measured) and, with
+    --lossy-ratio, the menu's map at that fraction of stock's saved bytes, named so, reaching longer
+    than HF stock within the budget."""
+    pytest.importorskip("peft")
+    csv_path = tmp_path / "context.csv"
+    out = stdout_of("context.py", "--shape", "tiny", "--budgets", "4MiB", "--configs", "hf", "lessmem_lossy",
+                    "--lossy-ratio", "0.5", "--lengths", "64", "128", "--probe-length", "32", "--time-length", "64",
+                    "--repeats", "1", "--cap", "512", "--max-length", "512", "--measure", "profiler", "--csv", str(csv_path))
+    stock, lossy = list(csv.DictReader(csv_path.open()))
+    assert lossy["config"] == "lessmem_lossy_0.5x" and "lossy map at 0.5x saves" in out
+    assert int(lossy["length"]) > int(stock["length"]) > 0 and int(lossy["peak_bytes"]) <= 4 * 2**20
+
+
+@pytest.mark.slow
 def test_context_benchmark_reads_a_fresh_process_peak_at_or_above_the_profiler(tmp_path: Path) -> None:
     """Each step of the context table runs in a process of its own started with the mmap threshold
     fixed: its resident-set peak never reads below the profiler's (it adds the process's own
