@@ -25,7 +25,8 @@ fixed (``FIXED_MMAP_ENV``) and holding the model alone: there every block above 
 when allocated and unmapped when freed, so the resident set tracks live bytes; in a process whose heap
 holds freed chunks (one that ran the profiler) it read up to 23% low (docs/results/budget.md). Torch's
 profiler (``lessmem.measure_step_memory``; --measure profiler for tiny models) needs some 10 GB of its
-own at 2,048 tokens here; its peak at the first length is printed beside as a cross-check. Step time: every configuration at --time-length, steps taking
+own at 2,048 tokens here; its peak at the first length, in a process of its own, is printed beside as a
+cross-check. Step time: every configuration at --time-length, steps taking
 turns (process CPU time), over HF stock's and HF checkpointing's. Gradient error: the LoRA gradients'
 largest relative difference to HF stock's at --probe-length, each model after its own warm-up step
 (the one that makes the optimizer state).
@@ -133,10 +134,11 @@ class Setup:
                                    live=False).peak_bytes
 
 
-def fresh_peak(name: str, length: int, args: argparse.Namespace, plan_file: str | None) -> int:
-    """``Setup.resident_peak`` of configuration ``name`` at ``length`` tokens in a fresh process
-    started with ``FIXED_MMAP_ENV``, the plan (lessmem's configurations) read from ``plan_file``."""
-    command = [sys.executable, __file__, "--peak-of", name, "--at", str(length), "--shape", args.shape,
+def fresh_peak(name: str, length: int, args: argparse.Namespace, plan_file: str | None, measure: str = "rss") -> int:
+    """``Setup.resident_peak`` (``Setup.profiled_peak``: ``measure="profiler"``) of configuration
+    ``name`` at ``length`` tokens in a fresh process started with ``FIXED_MMAP_ENV``, the plan
+    (lessmem's configurations) read from ``plan_file``."""
+    command = [sys.executable, __file__, "--peak-of", name, "--at", str(length), "--measure", measure, "--shape", args.shape,
                "--max-length", str(args.max_length), "--seed", str(args.seed), "--threads", str(args.threads),
                *(["--plan-file", plan_file] if plan_file else [])]
     done = subprocess.run(command, env=os.environ | FIXED_MMAP_ENV, capture_output=True, text=True)
@@ -304,7 +306,8 @@ def main() -> None:
     if args.peak_of:
         torch.set_num_threads(args.threads)
         plans = {args.peak_of: CompressionPlan.read(args.plan_file)} if args.plan_file else {}
-        print(Setup(args.peak_of, args, plans).resident_peak(args.at))
+        setup = Setup(args.peak_of, args, plans)
+        print(setup.resident_peak(args.at) if args.measure == "rss" else setup.profiled_peak(args.at))
         return
     if args.plot_only:
         with open(args.plot_only, newline="") as f:
@@ -328,25 +331,29 @@ def main() -> None:
     rows = []
     plan_dir = tempfile.TemporaryDirectory()
     plan_files = {name: str(plan.write(os.path.join(plan_dir.name, f"{name}.yaml"))) for name, plan in plans.items()}
-    for setup in setups:
-        peak = (partial(fresh_peak, setup.name, args=args, plan_file=plan_files.get(setup.name))
-                if args.measure == "rss" else setup.profiled_peak)
+    del setups  # the peaks: in processes of their own (the profiler's gigabytes too), or on a new setup each
+    for name in args.configs:
+        if args.measure == "rss":
+            peak = partial(fresh_peak, name, args=args, plan_file=plan_files.get(name))
+            profiled = fresh_peak(name, args.lengths[0], args, plan_files.get(name), measure="profiler")
+        else:
+            peak = Setup(name, args, plans).profiled_peak
+            profiled = peak(args.lengths[0])
         points = {n: peak(n) for n in args.lengths}
-        profiled = setup.profiled_peak(args.lengths[0])
-        print(f"{setup.name}: peaks {[format_bytes(v) for v in points.values()]} at {list(points)} tokens (the "
+        print(f"{name}: peaks {[format_bytes(v) for v in points.values()]} at {list(points)} tokens (the "
               f"profiler's at {args.lengths[0]}: {format_bytes(profiled)})", flush=True)
         for budget in budgets:
-            row = longest(row_name(setup.name, args), peak, budget, points, args)
-            row |= {"profiled_peak_bytes": profiled, "profiled_length": args.lengths[0], "step_s": timed[setup.name], "step_vs_hf": timed[setup.name] / timed.get("hf", math.nan),
-                    "step_vs_checkpointing": timed[setup.name] / timed.get("hf_checkpointing", math.nan),
-                    "time_length": args.time_length, "grad_error": errors[setup.name]}
+            row = longest(row_name(name, args), peak, budget, points, args)
+            row |= {"profiled_peak_bytes": profiled, "profiled_length": args.lengths[0], "step_s": timed[name],
+                    "step_vs_hf": timed[name] / timed.get("hf", math.nan),
+                    "step_vs_checkpointing": timed[name] / timed.get("hf_checkpointing", math.nan),
+                    "time_length": args.time_length, "grad_error": errors[name]}
             rows.append(row)
             if args.csv:
                 with open(args.csv, "w", newline="") as f:
                     writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
                     writer.writeheader()
                     writer.writerows(rows)
-        del setup.model, setup.optimizer
     print(table(rows, budgets))
     if args.plot:
         plot(rows, args.plot)
