@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import ctypes
+import gc
 import math
 import os
 import statistics
@@ -134,10 +136,20 @@ class Setup:
                                    live=False).peak_bytes
 
 
+def release_freed_heap() -> None:
+    """Give the pages of freed heap memory back to the system: this process profiled steps (lessmem's
+    plans), which leaves gigabytes freed but held in glibc's heap (11 GB here, enough to get the
+    machine's OOM killer to stop the run while a child measured)."""
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def fresh_peak(name: str, length: int, args: argparse.Namespace, plan_file: str | None, measure: str = "rss") -> int:
     """``Setup.resident_peak`` (``Setup.profiled_peak``: ``measure="profiler"``) of configuration
     ``name`` at ``length`` tokens in a fresh process started with ``FIXED_MMAP_ENV``, the plan
     (lessmem's configurations) read from ``plan_file``."""
+    release_freed_heap()
     command = [sys.executable, __file__, "--peak-of", name, "--at", str(length), "--measure", measure, "--shape", args.shape,
                "--max-length", str(args.max_length), "--seed", str(args.seed), "--threads", str(args.threads),
                *(["--plan-file", plan_file] if plan_file else [])]
