@@ -241,11 +241,17 @@ def step_times(setups: list[Setup], args: argparse.Namespace) -> dict[str, float
 
 
 def table(rows: list[dict], budgets: list[int]) -> str:
-    """Markdown: per configuration, the longest length per budget (its verified peak), step time."""
-    head = ["configuration", *(f"{format_bytes(b)}" for b in budgets), "step time", "gradient error"]
+    """Markdown: per configuration, the longest length per budget (its verified peak; "edge": over
+    the budget if the peak read as low against the profiler's as at the cross-check length), the
+    peak measure against the profiler's, step time, gradient error."""
+    head = ["configuration", *(f"{format_bytes(b)}" for b in budgets), "measure / profiler", "step time",
+            "gradient error"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for name in dict.fromkeys(r["config"] for r in rows):
         mine = {int(r["budget_bytes"]): r for r in rows if r["config"] == name}
+        first = next(iter(mine.values()))
+        known = first.get("measured_peak_at_profiled_length") not in (None, "")
+        reads = float(first["measured_peak_at_profiled_length"]) / float(first["profiled_peak_bytes"]) if known else 1.0
         cells = []
         for b in budgets:
             r = mine.get(b)
@@ -253,15 +259,16 @@ def table(rows: list[dict], budgets: list[int]) -> str:
                 cells.append("none" if r is not None else "")
                 continue
             capped = "≥ " if str(r.get("capped")) == "True" else ""
-            cells.append(f"{capped}{int(r['length'])} ({float(r['peak_bytes']) / MIB:.0f} MiB)")
-        first = next(iter(mine.values()))
+            edge = ", edge" if float(r["peak_bytes"]) / min(reads, 1.0) > b else ""
+            cells.append(f"{capped}{int(r['length'])} ({float(r['peak_bytes']) / MIB:.0f} MiB{edge})")
+        versus = f"{reads:.3f} at {first['profiled_length']}" if known else ""
         timing = ""
         if first.get("step_s") not in (None, ""):
             vs_ckpt = float(first["step_vs_checkpointing"])
             timing = (f"{float(first['step_s']):.3g} s, {float(first['step_vs_hf']):.2f}x HF"
                       + ("" if math.isnan(vs_ckpt) else f", {vs_ckpt:.2f}x ckpt"))
         error = f"{float(first['grad_error']):.1e}" if first.get("grad_error") not in (None, "") else ""
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {timing} | {error} |")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {versus} | {timing} | {error} |")
     return "\n".join(lines)
 
 
@@ -356,7 +363,8 @@ def main() -> None:
               f"profiler's at {args.lengths[0]}: {format_bytes(profiled)})", flush=True)
         for budget in budgets:
             row = longest(row_name(name, args), peak, budget, points, args)
-            row |= {"profiled_peak_bytes": profiled, "profiled_length": args.lengths[0], "step_s": timed[name],
+            row |= {"profiled_peak_bytes": profiled, "profiled_length": args.lengths[0],
+                    "measured_peak_at_profiled_length": points[args.lengths[0]], "step_s": timed[name],
                     "step_vs_hf": timed[name] / timed.get("hf", math.nan),
                     "step_vs_checkpointing": timed[name] / timed.get("hf_checkpointing", math.nan),
                     "time_length": args.time_length, "grad_error": errors[name]}

@@ -225,5 +225,5 @@ def test_context_benchmark_verifies_each_length_and_plots(tmp_path: Path, stdout
     for row in (stock, chunked):
         assert 0 < int(row["peak_bytes"]) <= 4 * 2**20
     assert int(chunked["length"]) > int(stock["length"]) > 0 and float(chunked["grad_error"]) < 1e-2
-    assert re.search(r"^\| hf_checkpointing_chunked_loss \| (≥ )?\d+ \(\d+ MiB\) \| [\d.e-]+ s, [\d.]+x HF \|", out, re.M), out
+    assert re.search(r"^\| hf_checkpointing_chunked_loss \| (≥ )?\d+ \(\d+ MiB\) \| 1\.000 at 64 \| [\d.e-]+ s, [\d.]+x HF \|", out, re.M), out
     assert "wrote" in stdout_of("context.py", "--plot-only", str(csv_path), "--plot", str(png)) and png.stat().st_size > 0
