@@ -283,10 +283,12 @@ def plot(rows: list[dict], out: str) -> None:
     for i, name in enumerate(names):
         mine = {int(r["budget_bytes"]): r for r in rows if r["config"] == name}
         lengths = [int(mine[b]["length"]) if b in mine else 0 for b in budgets]
-        step = mine[budgets[0]].get("step_vs_hf") if budgets[0] in mine else None
+        capped = [b in mine and str(mine[b].get("capped")) == "True" for b in budgets]
+        step = next(iter(mine.values())).get("step_vs_hf")
         label = f"{name} ({float(step):.2f}x HF's step)" if step not in (None, "") else name
         bars = ax.bar([j + (i - (len(names) - 1) / 2) * width for j in range(len(budgets))], lengths, width, label=label)
-        ax.bar_label(bars, labels=[str(n) if n else "not measured" for n in lengths], fontsize=6)
+        ax.bar_label(bars, labels=[("≥" if c else "") + str(n) if n else "not measured" for n, c in zip(lengths, capped, strict=True)],
+                     fontsize=6)
     ax.set_xticks(range(len(budgets)), [format_bytes(b) for b in budgets])
     ax.set(xlabel="whole-step memory budget", ylabel="longest sequence that fits (tokens, verified)",
            title="LoRA r16 on a 135M Llama (bf16, batch 1): context per budget")
