@@ -11,11 +11,22 @@ import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(script: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """``benchmarks/<script>`` as a module, importable for the test's duration."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{Path(script).stem}", BENCHMARKS / script)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture
@@ -26,11 +37,7 @@ def bench(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -
     threads, environ = torch.get_num_threads(), dict(os.environ)
 
     def run(script: str, *args: str) -> tuple[int, str, str]:
-        spec = importlib.util.spec_from_file_location(f"benchmark_{Path(script).stem}", BENCHMARKS / script)
-        module = importlib.util.module_from_spec(spec)
-        monkeypatch.syspath_prepend(str(BENCHMARKS))
-        monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
-        spec.loader.exec_module(module)
+        module = load_benchmark(script, monkeypatch)
         monkeypatch.setattr(sys, "argv", [script, *args])
         capsys.readouterr()
         try:
@@ -192,7 +199,8 @@ def test_context_benchmark_rows_for_lessmems_lossy_plans(tmp_path: Path, stdout_
 
 
 @pytest.mark.slow
-def test_context_benchmark_reads_a_fresh_process_peak_at_or_above_the_profiler(tmp_path: Path) -> None:
+def test_context_benchmark_reads_a_fresh_process_peak_at_or_above_the_profiler(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Each step of the context table runs in a process of its own started with the mmap threshold
     fixed: its resident-set peak never reads below the profiler's (it adds the process's own
     non-tensor growth, a few MiB), with a plan handed over as a file."""
@@ -201,9 +209,7 @@ def test_context_benchmark_reads_a_fresh_process_peak_at_or_above_the_profiler(t
 
     import lessmem
 
-    spec = importlib.util.spec_from_file_location("benchmark_context_fresh", BENCHMARKS / "context.py")
-    context = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(context)
+    context = load_benchmark("context.py", monkeypatch)
     args = argparse.Namespace(shape="tiny", max_length=2048, seed=0, threads=1)
     plan = lessmem.CompressionPlan({"*lora_A*": "int8"}, saved_storage="int8")
     plan_file = str(plan.write(tmp_path / "plan.yaml"))

@@ -212,7 +212,10 @@ class _Hooks:
         return packed if self.outer is None else self.outer[1](packed)
 
 
-def _enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+def enter_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """``attach``'s pre-hook: ``module``'s saved tensors go to its storage until its post-hook.
+    Called directly for a call whose pre-hooks torch took before ``attach`` added it (a plan
+    applied from the module's own forward pre-hook)."""
     if RULE_ATTR not in module.__dict__:
         return  # detached by a pre-hook earlier in this call (a plan re-applied): its post-hook is gone too
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -255,7 +258,7 @@ def attach(module: nn.Module, storage: Storage, *, in_layer: bool = False, is_mo
     """Run ``module``'s forward with its saved tensors kept in ``storage`` (``"native"``: unchanged,
     which shields it from an enclosing module's lossy rule). ``in_layer``: the module is one of
     lessmem's own layers; ``is_model``: it is the model called by the user, whose inputs are held."""
-    pre = module.register_forward_pre_hook(_enter, with_kwargs=True)
+    pre = module.register_forward_pre_hook(enter_forward, with_kwargs=True)
     post = module.register_forward_hook(_leave, always_call=True)
     module.__dict__[RULE_ATTR] = (storage, in_layer, is_model)
     module.__dict__[HOOK_IDS_ATTR] = (pre.id, post.id)
@@ -264,13 +267,6 @@ def attach(module: nn.Module, storage: Storage, *, in_layer: bool = False, is_mo
 def attached(module: nn.Module) -> bool:
     """Whether ``module`` has ``saved_storage`` hooks of its own."""
     return RULE_ATTR in module.__dict__
-
-
-def enter_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """What ``module``'s pre-hook does, for a call whose pre-hooks torch took before ``attach``
-    added it (a plan applied from the module's own forward pre-hook): the post-hook, taken after
-    the forward, leaves it."""
-    _enter(module, args, kwargs)
 
 
 def detach(module: nn.Module) -> None:
