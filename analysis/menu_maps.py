@@ -2,21 +2,31 @@
 least-criterion map within each budget, over the whole menu, the kernel-only one (pooling with
 native storage, BatchNorm inputs kept exact: the paper's question with the new criterion) or the
 unpooled one (stochastic codes only: pooling's bias on the weight gradient is what no criterion
-measured on one step sees).
+measured on one step sees); ``step=R`` also recomputes the menu's regions where that lowers the
+criterion, the predicted step within R stock steps (a menu measured with ``menu.recompute=true``).
 
     python analysis/menu_maps.py docs/results/criterion_check/menu/menu.json --out maps/ \
         --maps grad_error:0.15 grad_error:0.3 cosine:0.3 grad_error:0.547:kernels grad_error:0.08:unpooled
+
+``--later MENU.json``: the same model's menu measured later (``sensitivity.checkpoint=`` a trained
+run's checkpoint): for each map (and each ``--plans`` file) the criterion item by item on both menus,
+largest later first, in ``<out>/later_<map>.md``: where a map chosen early errs once training has
+gone on (docs/proofs.md, the tiny Llama at convergence).
+
+    python analysis/menu_maps.py WARMUP/menu.json --out maps/ --maps tensor_error:0.12:step=1.15 \
+        --plans chosen_0.12.yaml --later CONVERGED/menu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import math
 from collections.abc import Callable
 from pathlib import Path
 
-from lessmem.core import FROM_NORM
-from lessmem.sensitivity import JOINT_KIND, MenuItem, MenuResult
+from lessmem.core import FROM_NORM, CompressionPlan
+from lessmem.sensitivity import DEFAULT_CRITERION, JOINT_KIND, MenuItem, MenuResult
 from lessmem.sensitivity.items import split_joint
 
 
@@ -49,27 +59,65 @@ def _keeps(item: MenuItem, option: str, keeps: Callable[[str], bool]) -> bool:
     return all(keeps(part) for part in split_joint(option)) if item.kind == JOINT_KIND else keeps(option)
 
 
+def later_table(plan: CompressionPlan, earlier: MenuResult, later: MenuResult, criterion: str) -> str:
+    """Markdown: each item ``plan`` leaves lossy, its option and ``criterion`` on both menus, the
+    largest later value first, and the totals (recomputed items add none)."""
+    before, after = earlier.item_values(plan, criterion), later.item_values(plan, criterion)
+    rows = sorted(((n, o, v, after[n][1]) for n, (o, v) in before.items() if o != "recomputed" and (v or after[n][1])),
+                  key=lambda r: -r[3])
+    lines = [f"| item | option | {criterion}, earlier menu | later menu | later / earlier |", "|---|---|---:|---:|---:|"]
+    lines += [f"| {n} | {o} | {v:.3g} | {w:.3g} | {w / v if v else math.inf:.2f} |" for n, o, v, w in rows]
+    total_before, total_after = sum(v for _, v in before.values()), sum(v for _, v in after.values())
+    lines.append(f"| **total** ({len(rows)} items; {len(plan.recompute)} regions recomputed) | | **{total_before:.3g}** | "
+                 f"**{total_after:.3g}** | {total_after / total_before if total_before else math.inf:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("menu", type=Path, help="menu.json of lessmem-sensitivity")
-    p.add_argument("--out", type=Path, required=True, help="folder for the map files")
-    p.add_argument("--maps", nargs="+", required=True,
-                   help="criterion:budget[:kernels|:unpooled], budget as a fraction of the stock saved bytes")
+    p.add_argument("--out", type=Path, required=True, help="folder for the map files (and the --later tables)")
+    p.add_argument("--maps", nargs="*", default=[],
+                   help="criterion:budget[:kernels|:unpooled][:step=R], budget as a fraction of the stock saved bytes")
+    p.add_argument("--plans", type=Path, nargs="*", default=[], help="map files to read on --later too")
+    p.add_argument("--later", type=Path, default=None, help="the menu measured later: each map's items on both")
+    p.add_argument("--criterion", default=DEFAULT_CRITERION, help="--later's criterion")
     args = p.parse_args(argv)
+    if not args.maps and not args.plans:
+        p.error("give --maps or --plans")
+    if args.plans and args.later is None:
+        p.error("--plans are read on --later's menu: give --later")
     result = MenuResult.load(args.menu)
+    plans = {path.stem: CompressionPlan.read(path) for path in args.plans}
     for spec in args.maps:
-        criterion, budget, *menu = spec.split(":")
-        if menu and menu[0] not in NARROWINGS:
-            p.error(f"{spec!r}: the menu suffix is one of {', '.join(NARROWINGS)}")
-        source = narrowed(result, NARROWINGS[menu[0]]) if menu else result
-        choice = source.make_map(float(budget), criterion)
+        criterion, budget, *suffixes = spec.split(":")
+        narrowing = [s for s in suffixes if s in NARROWINGS]
+        steps = [s for s in suffixes if s.startswith("step=")]
+        if len(narrowing) + len(steps) != len(suffixes) or len(narrowing) > 1 or len(steps) > 1:
+            p.error(f"{spec!r}: suffixes are one of {', '.join(NARROWINGS)} and step=R")
+        max_step = float(steps[0].removeprefix("step=")) if steps else 1.0
+        source = narrowed(result, NARROWINGS[narrowing[0]]) if narrowing else result
+        choice = source.make_map(float(budget), criterion, max_step_ratio=max_step)
         score = result.score(choice.plan)
-        name = f"{criterion}_{budget}{f'_{menu[0]}' if menu else ''}"
-        comment = (f"least {criterion} within {budget} x stock saved bytes ({menu[0] if menu else 'whole'} menu), "
-                   f"from {args.menu}\npredicted ratio {score['ratio']:.3f}; "
-                   + ", ".join(f"{c} {score[c]:.4g}" for c in ("grad_error", "cosine", "loss_change")))
+        name = f"{criterion}_{budget}" + "".join(f"_{s.replace('=', '')}" for s in suffixes)
+        recomputed = (f"; {len(choice.plan.recompute)} regions recomputed, predicted step {score['step_ratio']:.2f}x"
+                      if choice.plan.recompute else "")
+        comment = (f"least {criterion} within {budget} x stock saved bytes ({narrowing[0] if narrowing else 'whole'} menu"
+                   f"{f', step within {max_step:g}x' if steps else ''}), from {args.menu}\npredicted ratio "
+                   f"{score['ratio']:.3f}; " + ", ".join(f"{c} {score[c]:.4g}" for c in ("grad_error", "cosine", "loss_change"))
+                   + recomputed)
         path = choice.plan.replace(name=name).write(args.out / f"{name}.yaml", comment=comment)
-        print(f"{path}: ratio {score['ratio']:.3f}, grad_error {score['grad_error']:.4g}, cosine {score['cosine']:.4f}")
+        plans[name] = choice.plan
+        print(f"{path}: ratio {score['ratio']:.3f}, grad_error {score['grad_error']:.4g}, cosine {score['cosine']:.4f}"
+              + recomputed)
+    if args.later is None:
+        return
+    later = MenuResult.load(args.later)
+    for name, plan in plans.items():
+        table = later_table(plan, result, later, args.criterion)
+        path = args.out / f"later_{name}.md"
+        path.write_text(f"# {name}: {args.criterion} item by item, {args.menu} against {args.later}\n\n{table}")
+        print(f"{path}: total {table.splitlines()[-1]}")
 
 
 if __name__ == "__main__":

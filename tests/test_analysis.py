@@ -161,6 +161,40 @@ def test_menu_maps_narrow_both_parts_of_a_batchnorm_conv_item() -> None:
     assert kept.options == ["native|1", "native|2"] and kept.nbytes == [6, 5] and kept.criteria == {"grad_error": [[0, 1]]}
 
 
+def test_menu_maps_recompute_within_a_step_and_read_on_a_later_menu(tmp_path: Path) -> None:
+    """``step=R`` recomputes the region where that lowers the error within R stock steps (and not
+    beyond R); ``--later`` reads each map item by item on a later menu: the totals are the two
+    menus' scores, a recomputed item is left out of the table."""
+    from lessmem.core import CompressionPlan
+    from lessmem.sensitivity import MenuItem, MenuResult
+    from lessmem.sensitivity.items import RecomputeOption
+
+    def menu(scale: float) -> MenuResult:
+        error = [[0.0, 0.01 * scale, 0.5 * scale]]
+        criteria = {"tensor_error": error, "grad_error": error, "loss_change": [[0.0] * 3],
+                    "cosine": [[1 - e for e in error[0]]]}
+        items = [MenuItem(name, "linear", ["1", "int8", "int2"], [100, 30, 10], criteria) for name in ("a.fc", "b.fc")]
+        return MenuResult(items, stock_bytes=200, base_bytes=0, meta={"step_seconds": 1.0},
+                          regions=[RecomputeOption("a", delta_bytes=5, seconds=0.1, freed_bytes=95)])
+
+    menu(1.0).save(tmp_path / "early", heatmap=False)
+    menu(3.0).save(tmp_path / "late", heatmap=False)
+    maps = script("menu_maps")
+    maps.main([str(tmp_path / "early/menu.json"), "--out", str(tmp_path), "--later", str(tmp_path / "late/menu.json"),
+               "--maps", "tensor_error:0.2", "tensor_error:0.2:step=1.2", "tensor_error:0.2:step=1.05"])
+    codes, rerun = (CompressionPlan.read(tmp_path / f"tensor_error_0.2{s}.yaml") for s in ("", "_step1.2"))
+    assert codes.recompute == () and CompressionPlan.read(tmp_path / "tensor_error_0.2_step1.05.yaml").recompute == ()
+    assert rerun.recompute == ("a",) and rerun.map["b.fc"] == "int8"
+    early, late = MenuResult.load(tmp_path / "early/menu.json"), MenuResult.load(tmp_path / "late/menu.json")
+    assert early.score(rerun)["tensor_error"] < early.score(codes)["tensor_error"]
+    for name, plan in (("tensor_error_0.2", codes), ("tensor_error_0.2_step1.2", rerun)):
+        table = (tmp_path / f"later_{name}.md").read_text()
+        total = table.splitlines()[-1].split("|")
+        assert float(total[3].strip(" *")) == pytest.approx(early.score(plan)["tensor_error"], rel=1e-3)
+        assert float(total[4].strip(" *")) == pytest.approx(late.score(plan)["tensor_error"], rel=1e-3)
+    assert "| a.fc |" not in (tmp_path / "later_tensor_error_0.2_step1.2.md").read_text()
+
+
 def test_pareto_front_on_any_columns() -> None:
     """The one front for runs and search trials: least memory per accuracy, one row per point,
     the first of equal rows, rows without finite values left out."""

@@ -134,6 +134,14 @@ class MenuResult:
         regions recomputed, the predicted ``step_ratio`` too."""
         return self._score(self.options_of(plan), self._recomputed(plan))
 
+    def item_values(self, plan: CompressionPlan, criterion: str = DEFAULT_CRITERION) -> dict[str, tuple[str, float]]:
+        """Item name -> the option ``plan`` gives it and that option's additive ``criterion`` value
+        (what ``make_map`` sums; an item rerun in backward: ``"recomputed"``, 0): where a plan's
+        predicted error lies, item by item."""
+        chosen, inside = self.options_of(plan), self._inside(self._recomputed(plan))
+        return {i.name: ("recomputed", 0.0) if i.name in inside else
+                (chosen[i.name], _additive(i, criterion)[i.index(chosen[i.name])]) for i in self.items}
+
     def _recomputed(self, plan: CompressionPlan) -> list[RecomputeOption]:
         known = {r.name: r for r in self.regions}
         if missing := [n for n in plan.recompute if n not in known]:
