@@ -194,6 +194,21 @@ def test_adaptive_schedule_reassigns_kernels_within_budget(tmp_path: Path, make_
     assert kernels == changes[-1]["map"]
 
 
+def test_adaptive_probe_is_a_fixed_training_batch(tmp_path: Path, make_cfg) -> None:
+    """The adaptive schedule chooses from the first un-augmented training batch of the run's seed
+    (what lessmem-sensitivity measures on), never from the validation images it is scored on."""
+    from lessmem.experiment import fixed_batches
+    from lessmem.experiment.spec import resolve_run
+
+    cfg = make_cfg(tmp_path, "adaptive.every=1", "adaptive.probe_batch=8")
+    spec = resolve_run(cfg)
+    x, y = spec.data.probe(8, spec.seed)
+    fx, fy = fixed_batches(cfg, 1, 8, "train", spec.seed)[0]
+    assert torch.equal(x, fx) and torch.equal(y, fy)
+    vx, _ = fixed_batches(cfg, 1, 8, "val", spec.seed)[0]
+    assert x.shape == vx.shape and not torch.equal(x, vx)
+
+
 def test_adaptive_menu_rechooses_map_and_storages_within_budget(tmp_path: Path, make_cfg) -> None:
     """The whole menu re-measured each time, map and BatchNorm storages chosen
     within the total-saved-bytes budget (the run measures what the knapsack predicted), and resume

@@ -21,7 +21,7 @@ from torch import nn
 from lessmem.core import CompressionPlan
 from lessmem.experiment.checkpoint import load_checkpoint
 from lessmem.experiment.compression import compression_given, resolve_compression
-from lessmem.experiment.data import build_loaders
+from lessmem.experiment.data import build_loaders, fixed_batches
 from lessmem.experiment.distributed import DistInfo, broadcast_object, setup_distributed
 from lessmem.experiment.paths import open_struct, resolve_path
 from lessmem.experiment.runtime import resolve_device, validate
@@ -57,6 +57,11 @@ class DataSpec:
     def loaders(self, seed: int, ddp: DistInfo) -> tuple[Any, Any]:
         return build_loaders(self.group, self.batch_size, self.eval_batch_size, seed, self.max_steps_per_epoch,
                              rank=ddp.rank, world_size=ddp.world_size)
+
+    def probe(self, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first un-augmented training batch of ``seed`` (what ``lessmem-sensitivity`` measures
+        on): the adaptive schedule's probe, the same on every rank and never a validation batch."""
+        return fixed_batches(OmegaConf.create({"dataset": self.group}), 1, size, "train", seed)[0]
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
     if spec.coverage and main:
         coverage = write_coverage(model, memory_batch[0].to(spec.device), spec.out_dir, spec.label)
     state = training_state(model, spec, steps_per_epoch=len(train_loader))
-    probe = first_batch(val_loader, spec.adaptive.probe_batch) if spec.adaptive.every else None
+    probe = spec.data.probe(spec.adaptive.probe_batch, spec.seed) if spec.adaptive.every else None
 
     at = Position()
     if ckpt is not None:
