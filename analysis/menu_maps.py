@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lessmem.core import FROM_NORM, CompressionPlan
-from lessmem.sensitivity import DEFAULT_CRITERION, JOINT_KIND, MenuItem, MenuResult
+from lessmem.sensitivity import CRITERIA, DEFAULT_CRITERION, JOINT_KIND, MenuItem, MenuResult
 from lessmem.sensitivity.items import split_joint
 
 
@@ -81,12 +81,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="criterion:budget[:kernels|:unpooled][:step=R], budget as a fraction of the stock saved bytes")
     p.add_argument("--plans", type=Path, nargs="*", default=[], help="map files to read on --later too")
     p.add_argument("--later", type=Path, default=None, help="the menu measured later: each map's items on both")
-    p.add_argument("--criterion", default=DEFAULT_CRITERION, help="--later's criterion")
+    p.add_argument("--criterion", default=DEFAULT_CRITERION, choices=CRITERIA, help="--later's criterion")
     args = p.parse_args(argv)
     if not args.maps and not args.plans:
         p.error("give --maps or --plans")
     if args.plans and args.later is None:
         p.error("--plans are read on --later's menu: give --later")
+    args.out.mkdir(parents=True, exist_ok=True)
     result = MenuResult.load(args.menu)
     plans = {path.stem: CompressionPlan.read(path) for path in args.plans}
     for spec in args.maps:
