@@ -209,6 +209,19 @@ def test_adaptive_probe_is_a_fixed_training_batch(tmp_path: Path, make_cfg) -> N
     assert x.shape == vx.shape and not torch.equal(x, vx)
 
 
+def test_adaptive_start_keeps_the_given_map_until_its_epoch(tmp_path: Path, make_cfg) -> None:
+    """adaptive.start=1: no re-choice before epoch 0 (it trains the given compression), the first
+    before epoch 1; a negative start is refused before anything runs."""
+    out = tmp_path / "start"
+    metrics = run(make_cfg(out, "compression=pool2", "adaptive.every=1", "adaptive.start=1", "adaptive.budget=0.6",
+                           "adaptive.probe_batch=16", "adaptive.storages=[native]", "adaptive.norm_storages=[]",
+                           "adaptive.act_storages=[]", "adaptive.from_bn=false"))
+    changes = [json.loads(line) for line in (out / "adaptive.jsonl").read_text().splitlines()]
+    assert [c["epoch"] for c in changes] == [1] and metrics["epochs"] == 2
+    with pytest.raises(ValueError, match="adaptive.start must be >= 0"):
+        run(make_cfg(tmp_path / "bad", "adaptive.every=1", "adaptive.start=-1"))
+
+
 def test_adaptive_menu_rechooses_map_and_storages_within_budget(tmp_path: Path, make_cfg) -> None:
     """The whole menu re-measured each time, map and BatchNorm storages chosen
     within the total-saved-bytes budget (the run measures what the knapsack predicted), and resume

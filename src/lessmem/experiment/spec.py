@@ -79,13 +79,19 @@ class OptimSpec:
 
 @dataclass(frozen=True)
 class AdaptiveSpec:
-    """Re-choose the plan every ``every`` epochs (0: never) by the menu's knapsack within ``budget``."""
+    """Re-choose the plan every ``every`` epochs (0: never) from epoch ``start`` on by the menu's
+    knapsack within ``budget``."""
 
     every: int
+    start: int
     budget: float  # total saved bytes, fraction of stock's
     probe_batch: int
     criterion: str
     menu: MenuOptions
+
+    def due(self, epoch: int) -> bool:
+        """Whether the plan is re-chosen before ``epoch``."""
+        return self.every > 0 and epoch >= self.start and (epoch - self.start) % self.every == 0
 
 
 @dataclass(frozen=True)
@@ -191,7 +197,8 @@ def resolve_run(cfg: DictConfig) -> RunSpec:
         plan=plan, plan_given=plan_given,
         memory_budget=None if cfg.get("memory_budget") is None else str(cfg.memory_budget),
         fidelity=str(cfg.get("fidelity") or "lossy"),
-        adaptive=AdaptiveSpec(every=int(acfg.get("every") or 0), budget=float(acfg.get("budget", 1.0)),
+        adaptive=AdaptiveSpec(every=int(acfg.get("every") or 0), start=int(acfg.get("start") or 0),
+                              budget=float(acfg.get("budget", 1.0)),
                               probe_batch=int(acfg.get("probe_batch", 32)),
                               criterion=str(acfg.get("criterion") or DEFAULT_CRITERION),
                               menu=MenuOptions.from_config(acfg)),

@@ -109,7 +109,7 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
             while at.epoch < spec.epochs:
                 if at.step == 0:  # a resumed epoch keeps the RNG state and the plan it was saved with
                     torch.manual_seed(epoch_seed(spec.seed, at.epoch))
-                    if spec.adaptive.every and at.epoch % spec.adaptive.every == 0:
+                    if spec.adaptive.due(at.epoch):
                         at.adaptive_plan = adapt_compression(
                             state.net, probe, spec, at.epoch, memory_batch[0], logger)
                 train_loader.set_epoch(at.epoch, start=at.step)
