@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     net = model_spec(cfg.model).build()
     load_checkpoint(net, args.checkpoint)
     net.train()
-    batches = fixed_batches(cfg, args.batches, args.batch_size)
+    batches = fixed_batches(cfg.dataset, args.batches, args.batch_size)
     loss_fn = task_of(cfg).criterion
     exact = gradients(copy.deepcopy(net), batches, loss_fn)
     parts = groups(net)

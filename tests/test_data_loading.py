@@ -72,7 +72,7 @@ def test_progress_is_a_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch, capsys
 def test_fixed_batches_decode_only_their_files(tmp_path: Path, decoded: list[str]) -> None:
     image_folder(tmp_path / "data", {"cat": 20, "dog": 20})
     cfg = compose_config([f"dataset.root={tmp_path / 'data'}", "seed=3"])
-    batches = fixed_batches(cfg, 1, 8, seed=3)
+    batches = fixed_batches(cfg.dataset, 1, 8, seed=3)
     assert len(decoded) == 8 and len(set(decoded)) == 8
     # The same images as the first batch of an un-augmented training loader over the whole split.
     train, _ = build_datasets(cfg.dataset)
@@ -82,7 +82,7 @@ def test_fixed_batches_decode_only_their_files(tmp_path: Path, decoded: list[str
     x, y = next(iter(loader))
     assert len(batches) == 1 and torch.equal(batches[0][0], x) and torch.equal(batches[0][1], y)
     with pytest.raises(ValueError, match="only 2 batches of 8 \\(val split\\), asked for 3"):
-        fixed_batches(cfg, 3, 8, split="val")
+        fixed_batches(cfg.dataset, 3, 8, split="val")
 
 
 def test_dataset_loader_shards_equal_global_batch() -> None:

@@ -97,7 +97,7 @@ def test_block_shards_of_two_ranks_equal_one_process(tmp_path: Path) -> None:
 def test_fixed_batches_are_a_training_loaders_first_batches(tiny_lm: tuple[str, ...]) -> None:
     cfg = compose_config([*tiny_lm, "seed=5"])
     loader, _ = build_loaders(cfg.dataset, 4, 8, seed=5, max_steps=2)
-    for (x, y), (fx, fy) in zip(loader, fixed_batches(cfg, 2, 4, seed=5), strict=True):
+    for (x, y), (fx, fy) in zip(loader, fixed_batches(cfg.dataset, 2, 4, seed=5), strict=True):
         assert torch.equal(x, fx) and torch.equal(y, fy)
 
 
@@ -187,7 +187,7 @@ def test_sensitivity_predicts_the_pooled_lm_gradients(name: str, tiny_lm: tuple[
     torch.manual_seed(0)
     cfg = compose_config(list(tiny_lm))
     model = build_model(name, 256, **SMALL_LMS[name])
-    x, y = fixed_batches(cfg, 1, 4)[0]
+    x, y = fixed_batches(cfg.dataset, 1, 4)[0]
     res = measure_menu(model.train(), [(x, y)], MenuOptions.kernel_only((1, 2)), loss_fn=task_of(cfg).criterion)
     items = {i.name: i for i in res.items if i.kind == "linear"}
     stock, pooled = copy.deepcopy(model), copy.deepcopy(model)

@@ -468,7 +468,7 @@ def lm(request: pytest.FixtureRequest, tiny_lm: tuple[str, ...]) -> tuple[str, t
     torch.manual_seed(0)
     cfg = compose_config(list(tiny_lm))
     model = build_model(request.param, 256, **SMALL_LMS[request.param]).train()
-    batch = fixed_batches(cfg, 1, 4)[0]
+    batch = fixed_batches(cfg.dataset, 1, 4)[0]
     options = MenuOptions(kernels=(1, 2), token_kernels=(1, 2), storages=("native", "int4", "int1"),
                           act_storages=("int4",), saved_storages=("int8", "int1"))
     menu = measure_menu(model, [batch], options, loss_fn=task_of(cfg).criterion)

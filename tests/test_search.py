@@ -53,7 +53,7 @@ def menu_file(tmp_path, base: list[str]):
     torch.manual_seed(0)
     options = MenuOptions(kernels=(1, 2, 4), storages=("native", "int8", "int4"), norm_storages=("int8", "int4"),
                           act_storages=())
-    menu = measure_menu(model_spec(cfg.model).build().train(), fixed_batches(cfg, 1, 4), options)
+    menu = measure_menu(model_spec(cfg.model).build().train(), fixed_batches(cfg.dataset, 1, 4), options)
     menu.save(tmp_path / "menu", heatmap=False)
     return menu, tmp_path / "menu" / "menu.json"
 

@@ -203,9 +203,9 @@ def test_adaptive_probe_is_a_fixed_training_batch(tmp_path: Path, make_cfg) -> N
     cfg = make_cfg(tmp_path, "adaptive.every=1", "adaptive.probe_batch=8")
     spec = resolve_run(cfg)
     x, y = spec.data.probe(8, spec.seed)
-    fx, fy = fixed_batches(cfg, 1, 8, "train", spec.seed)[0]
+    fx, fy = fixed_batches(cfg.dataset, 1, 8, "train", spec.seed)[0]
     assert torch.equal(x, fx) and torch.equal(y, fy)
-    vx, _ = fixed_batches(cfg, 1, 8, "val", spec.seed)[0]
+    vx, _ = fixed_batches(cfg.dataset, 1, 8, "val", spec.seed)[0]
     assert x.shape == vx.shape and not torch.equal(x, vx)
 
 

@@ -61,7 +61,7 @@ class DataSpec:
     def probe(self, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first un-augmented training batch of ``seed`` (what ``lessmem-sensitivity`` measures
         on): the adaptive schedule's probe, the same on every rank and never a validation batch."""
-        return fixed_batches(OmegaConf.create({"dataset": self.group}), 1, size, "train", seed)[0]
+        return fixed_batches(self.group, 1, size, "train", seed)[0]
 
 
 @dataclass(frozen=True)

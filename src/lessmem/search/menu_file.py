@@ -48,7 +48,7 @@ def measure_config_menu(cfg: DictConfig, menu: DictConfig, sampling: DictConfig)
                        else f"stock, after {int(sampling.warmup_steps)} warm-up steps")
     device = "cuda" if cfg.get("device", "auto") in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     model.to(device).train()
-    batches = fixed_batches(cfg, int(sampling.batches), int(sampling.batch_size), str(sampling.split),
+    batches = fixed_batches(cfg.dataset, int(sampling.batches), int(sampling.batch_size), str(sampling.split),
                             int(cfg.get("seed", 0)))
     result = measure_menu(model, with_progress(batches, "menu", "batch"), options, task_of(cfg).criterion)
     result.meta.update({"model": str(cfg.model.name), "dataset": str(cfg.dataset.name),

@@ -3,6 +3,7 @@ un-augmented. Only the files those batches hold are decoded."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -16,13 +17,15 @@ from lessmem.experiment.data.scan import ImageFolderSplit
 from lessmem.experiment.data.text import TokenStream
 
 
-def fixed_batches(cfg: Any, n: int, batch_size: int, split: str = "train", seed: int = 0) -> list[tuple[Tensor, Tensor]]:
-    """The first ``n`` seeded-shuffled, un-augmented batches of the configured dataset: for
-    in-memory data, exactly the first batches a training loader of ``seed`` yields at epoch 0
-    without augmentation; for text, the first random blocks a training loader of ``seed`` draws."""
-    from omegaconf import OmegaConf
+def fixed_batches(dataset: Mapping[str, Any], n: int, batch_size: int, split: str = "train",
+                  seed: int = 0) -> list[tuple[Tensor, Tensor]]:
+    """The first ``n`` seeded-shuffled, un-augmented batches of the ``dataset`` config group (as
+    ``build_loaders`` reads it): for in-memory data, exactly the first batches a training loader of
+    ``seed`` yields at epoch 0 without augmentation; for text, the first random blocks a training
+    loader of ``seed`` draws."""
+    from omegaconf import DictConfig, OmegaConf
 
-    ds_cfg = OmegaConf.to_container(cfg.dataset, resolve=True)
+    ds_cfg = OmegaConf.to_container(dataset, resolve=True) if isinstance(dataset, DictConfig) else dict(dataset)
     train, val = dataset_splits(ds_cfg)
     data = train if split == "train" else val
     available = len(data) // batch_size
