@@ -60,9 +60,10 @@ def validate(cfg: DictConfig, device: torch.device) -> None:
         parse_bytes(str(cfg.memory_budget))  # a bad size fails here, before any data is read
     if cfg.get("fidelity", "lossy") not in FIDELITIES:
         raise ValueError(f"fidelity={cfg.fidelity}: choose one of {', '.join(FIDELITIES)}")
-    if int((cfg.get("adaptive") or {}).get("start") or 0) < 0:
-        raise ValueError(f"adaptive.start must be >= 0 (the epoch of the first re-choice), got {cfg.adaptive.start}")
-    if (cfg.get("adaptive") or {}).get("every") and cfg.get("compile"):
+    adaptive = cfg.get("adaptive") or {}
+    if int(adaptive.get("start") or 0) < 0:
+        raise ValueError(f"adaptive.start must be >= 0 (the epoch of the first re-choice), got {adaptive.get('start')}")
+    if adaptive.get("every") and cfg.get("compile"):
         raise ValueError("adaptive.every > 0 re-assigns kernels during training; it cannot be combined with compile=true")
     if cfg.get("sync_bn") and world_size() > 1:
         if device.type != "cuda":
