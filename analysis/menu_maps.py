@@ -60,12 +60,14 @@ def _keeps(item: MenuItem, option: str, keeps: Callable[[str], bool]) -> bool:
 
 
 def later_table(plan: CompressionPlan, earlier: MenuResult, later: MenuResult, criterion: str) -> str:
-    """Markdown: each item ``plan`` leaves lossy, its option and ``criterion`` on both menus, the
-    largest later value first, and the totals (recomputed items add none)."""
+    """Markdown: each item ``plan`` leaves lossy, its option and ``criterion`` as the knapsack sums it
+    (``1 - cosine``, ``|loss_change|``) on both menus, the largest later value first, and the totals
+    (recomputed items add none)."""
     before, after = earlier.item_values(plan, criterion), later.item_values(plan, criterion)
     rows = sorted(((n, o, v, after[n][1]) for n, (o, v) in before.items() if o != "recomputed" and (v or after[n][1])),
                   key=lambda r: -r[3])
-    lines = [f"| item | option | {criterion}, earlier menu | later menu | later / earlier |", "|---|---|---:|---:|---:|"]
+    summed = {"cosine": "1 - cosine", "loss_change": "|loss_change|"}.get(criterion, criterion)
+    lines = [f"| item | option | {summed}, earlier menu | later menu | later / earlier |", "|---|---|---:|---:|---:|"]
     lines += [f"| {n} | {o} | {v:.3g} | {w:.3g} | {w / v if v else math.inf:.2f} |" for n, o, v, w in rows]
     total_before, total_after = sum(v for _, v in before.values()), sum(v for _, v in after.values())
     lines.append(f"| **total** ({len(rows)} items; {len(plan.recompute)} regions recomputed) | | **{total_before:.3g}** | "
