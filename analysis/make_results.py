@@ -253,21 +253,14 @@ def budget_section(results: Path, docs: Path) -> list[str]:
 def lm_budget_section(results: Path, docs: Path) -> list[str]:
     """Issue 31 on the language model: the tight budget and the criterion check."""
     return embedded_summaries(results, docs, (
-        ("proof_tiny_llama_lr1e3/summary.md", "At 0.25x with lm_quick's tuned learning rate (1e-3): the knapsack's map "
-         "against uniform int8 and stock",
-         "python analysis/proof.py --model tiny_llama --out docs/results/proof_tiny_llama_lr1e3 --budgets 0.25 "
+        ("proof_tiny_llama_lr1e3/summary.md", "At 0.25x and 0.12x with lm_quick's tuned learning rate (1e-3): the "
+         "knapsack's maps against uniform int8, uniform int2 and stock",
+         "python analysis/proof.py --model tiny_llama --out docs/results/proof_tiny_llama_lr1e3 --budgets 0.25 0.12 "
          "--search-trials 0 --uniform-per-budget 1"),
-        ("proof_tiny_llama_012_lr1e3/summary.md", "At 0.12x with the tuned learning rate (1e-3): the knapsack's map "
-         "against uniform int2 and stock",
-         "python analysis/proof.py --model tiny_llama --out docs/results/proof_tiny_llama_012_lr1e3 --budgets 0.12 "
-         "--search-trials 0 --uniform-per-budget 1 --menu docs/results/proof_tiny_llama_lr1e3/menu/menu.json"),
-        ("proof_tiny_llama_05/summary.md", "At 0.5x: the knapsack's map against uniform bf16",
-         "python analysis/proof.py --model tiny_llama --set optimizer.lr=2e-3 --out docs/results/proof_tiny_llama_05 --budgets 0.5 "
-         "--search-trials 0 --uniform-per-budget 1 --menu docs/results/proof_tiny_llama_012/menu/menu.json"),
-        ("proof_tiny_llama_012/summary.md", "At 0.12x: the knapsack's maps (full menu, and without token pooling) "
-         "against uniform int2",
-         "python analysis/proof.py --model tiny_llama --set optimizer.lr=2e-3 --out docs/results/proof_tiny_llama_012 --budgets 0.12 "
-         "--search-trials 0 --uniform-per-budget 1"),
+        ("proof_tiny_llama_05_012/summary.md", "At 0.5x and 0.12x (lr 2e-3): the knapsack's maps (at 0.12x the full "
+         "menu, and without token pooling) against uniform bf16 and int2",
+         "python analysis/proof.py --model tiny_llama --set optimizer.lr=2e-3 --out docs/results/proof_tiny_llama_05_012 "
+         "--budgets 0.5 0.12 --search-trials 0 --uniform-per-budget 1"),
         ("criterion_check_lm/summary.md", "Does the criterion predict val_ppl? (16 maps, seed 0)",
          "python analysis/proof.py --model tiny_llama --set optimizer.lr=2e-3 --out docs/results/criterion_check_lm --budgets 0.5 0.25 0.12 "
          "--criterion-check 16"),
@@ -451,18 +444,12 @@ PROOFS = [
     ('results/proof_resnet20_xhat', 'At 0.08× with BatchNorm codes of the normalized input: rebuilt conv inputs (`from_bn`), the unpooled knapsack, the menu that offers `from_bn` (resnet20, 8 paired seeds)',
      "`python analysis/proof.py --model resnet20 --out docs/results/proof_resnet20_xhat --budgets 0.08 --search-trials 0 --uniform-per-budget 2 --criterion tensor_error --configs 'chosen_*' int1_bn2 int2_bn1 from_bn_0.08 tensor_error_0.08_unpooled --map-files DIR/maps/from_bn_0.08.yaml DIR/maps/tensor_error_0.08_unpooled.yaml` (stock shared with proof_resnet20; `int2_bn2` by its map file on the same schedule; the map files: `compact_runs.py --restore-maps`)",
      '`python analysis/proof_summary.py docs/results/proof_resnet20_xhat`'),
-    ('results/proof_tiny_llama_lr1e3', "At 0.25× with lm_quick's tuned lr 1e-3 (tiny Llama, 8 paired seeds)",
-     '`python analysis/proof.py --model tiny_llama --out docs/results/proof_tiny_llama_lr1e3 --budgets 0.25 --search-trials 0 --uniform-per-budget 1` (stock seeds 0-1 shared with the learning-rate sweep)',
+    ('results/proof_tiny_llama_lr1e3', "At 0.25× and 0.12× with lm_quick's tuned lr 1e-3 (tiny Llama, 8 paired seeds)",
+     '`python analysis/proof.py --model tiny_llama --out docs/results/proof_tiny_llama_lr1e3 --budgets 0.25 0.12 --search-trials 0 --uniform-per-budget 1` (stock seeds 0-1 shared with the learning-rate sweep)',
      '`python analysis/proof_summary.py docs/results/proof_tiny_llama_lr1e3`'),
-    ('results/proof_tiny_llama_012_lr1e3', 'At 0.12× with lr 1e-3 (tiny Llama, 8 paired seeds)',
-     '`python analysis/proof.py --model tiny_llama --out docs/results/proof_tiny_llama_012_lr1e3 --budgets 0.12 --search-trials 0 --uniform-per-budget 1 --menu docs/results/proof_tiny_llama_lr1e3/menu/menu.json` (stock shared with proof_tiny_llama_lr1e3)',
-     '`python analysis/proof_summary.py docs/results/proof_tiny_llama_012_lr1e3`'),
-    ('results/proof_tiny_llama_05', "At 0.5×: the knapsack's map against uniform bf16 (tiny Llama, lr 2e-3)",
-     '`python analysis/proof.py --model tiny_llama --set optimizer.lr=2e-3 --out docs/results/proof_tiny_llama_05 --budgets 0.5 --search-trials 0 --uniform-per-budget 1 --menu docs/results/proof_tiny_llama_012/menu/menu.json`',
-     '`python analysis/proof_summary.py docs/results/proof_tiny_llama_05`'),
-    ('results/proof_tiny_llama_012', 'At 0.12×: the knapsack with and without token pooling against uniform int2 (tiny Llama, lr 2e-3)',
-     '`python analysis/proof.py --model tiny_llama --set optimizer.lr=2e-3 --out docs/results/proof_tiny_llama_012 --budgets 0.12 --search-trials 0 --uniform-per-budget 1` (+ `unpooled_0.12`, see its summary)',
-     '`python analysis/proof_summary.py docs/results/proof_tiny_llama_012`'),
+    ('results/proof_tiny_llama_05_012', "At 0.5× and 0.12×: the knapsack with and without token pooling against uniform bf16 and int2 (tiny Llama, lr 2e-3)",
+     '`python analysis/proof.py --model tiny_llama --set optimizer.lr=2e-3 --out docs/results/proof_tiny_llama_05_012 --budgets 0.5 0.12 --search-trials 0 --uniform-per-budget 1` (+ `unpooled_0.12` and `search_0.12`, see its summary)',
+     '`python analysis/proof_summary.py docs/results/proof_tiny_llama_05_012`'),
     ('results/proof_lora', "LoRA fine-tuning (lora_quick) at 0.15× and 0.102× of stock LoRA's saved bytes: the menu's maps, the menu's map with codes and recompute (`recompute_0.15`) and `lossy_int8` (tiny Llama + LoRA r 8, 3 paired seeds)",
      "`python analysis/proof.py --model tiny_llama_lora --out docs/results/proof_lora --seeds 0 1 2 --search-trials 0 --uniform-per-budget 0 --budgets 0.15 0.102 --map-files src/lessmem/conf/compression/lossy_int8.yaml --set model.init_checkpoint=outputs/lm_quick_seed0/checkpoint.pt` (0.102×: the tightest the menu reaches, 0.1002×); `recompute_0.15`: the map of `lessmem-sensitivity experiment=lora_quick sensitivity.warmup_steps=50 sensitivity.batches=4 sensitivity.batch_size=16 menu.recompute=true sensitivity.max_step_ratio=1.25 sensitivity.budget=0.15`, then the same driver with `--map-files` it too and `--configs recompute_0.15`",
      '`python analysis/proof_summary.py docs/results/proof_lora`'),

@@ -221,9 +221,13 @@ def _named(group: dict) -> str | None:
     return group.get("name") or (group.get("_target_") or "").rpartition(".")[2] or None
 
 
-def _paired_cells(paired: dict) -> str:
-    """A paired comparison's table cells: mean difference, p, 95% CI (dashes where it was not made)."""
-    return f"{_fmt(paired.get('mean_diff', math.nan))} | {_fmt(paired.get('p', math.nan), '.3f')} | {_ci(paired)}"
+def _paired_cells(paired: dict, relative: bool = False) -> str:
+    """A paired comparison's table cells: mean difference (``relative``: and as a percentage of the
+    reference's mean, the unit of a perplexity target), p, 95% CI (dashes where it was not made)."""
+    diff = _fmt(paired.get("mean_diff", math.nan))
+    if relative and diff != "—":
+        diff += f" ({_fmt(paired.get('rel_pct', math.nan), '+.1f')}%)"
+    return f"{diff} | {_fmt(paired.get('p', math.nan), '.3f')} | {_ci(paired)}"
 
 
 def _ci(paired: dict) -> str:
@@ -238,7 +242,7 @@ def markdown(result: dict, layout: dict, reports: dict[str, str | None] | None =
     lines = [f"# {layout['title']}", "",
              f"Schedule: {result.get('schedule', 'unknown')}. Every configuration on the same seeds (paired); "
              f"{label}: {better}; p: two-sided paired t-test; 95% CI: bootstrap interval of the mean paired "
-             f"difference (seeds resampled); step peak: the whole training step's peak over stock's; min/epoch: the "
+             f"difference (seeds resampled){'; vs stock: also in % of stock' + chr(39) + 's mean over the same seeds' if layout['lower_is_better'] else ''}; step peak: the whole training step's peak over stock's; min/epoch: the "
              f"median epoch as measured on a machine shared with other runs (not a speed comparison: "
              f"benchmarks/speed.py times steps). Commands: {layout['command']}.", ""]
     if result.get("shared_runs"):
@@ -264,7 +268,7 @@ def markdown(result: dict, layout: dict, reports: dict[str, str | None] | None =
         lines.append("")
         for sr in result["searches"]:
             lines += search_report(sr["dir"], (reports or {}).get(sr["dir"]))
-    key = layout["key"]
+    key, relative = layout["key"], layout["lower_is_better"]
     for budget, data in result["budgets"].items():
         lines += [f"## Budget: {layout['budgets'][budget]['label']} (saved-bytes ratio <= {data['limit']:.3f})", ""]
         if not data["rows"]:
@@ -281,7 +285,7 @@ def markdown(result: dict, layout: dict, reports: dict[str, str | None] | None =
                 f"{_fmt(r.get('minutes_per_epoch'), '.1f')} | {'yes' if r['fits'] else 'no'} | {len(r['seeds'])} | "
                 f"{r['mean']:.2f} ± {_fmt(r['std'], '.2f')} | "
                 f"{', '.join(f'{v:.2f}{m}' for v, m in zip(r[key], marks, strict=True))} | "
-                f"{_paired_cells(vs_s)} | {_paired_cells(vs_u)} |")
+                f"{_paired_cells(vs_s, relative)} | {_paired_cells(vs_u)} |")
         lines += ["", f"Best uniform option that fits: {data['best_uniform']}.", ""]
         if failed := [f"{r['config']} seed {seed}: {where}" for r in data["rows"]
                       for seed, where in r.get("diverged", {}).items()]:

@@ -158,10 +158,9 @@ def test_compact_runs_writes_paths_relative_to_the_repository(tmp_path: Path) ->
 PUBLISHED = {"budget_proof": "proof_summary", "budget_proof_long": "proof_summary",
              "criterion_check": "criterion_summary", "proof": "proof_2x2_summary",
              "proof_tiny_llama": "proof_summary", "criterion_check_tensor_error": "criterion_summary",
-             "proof_resnet20": "proof_summary", "proof_tiny_llama_012": "proof_summary",
-             "proof_tiny_llama_05": "proof_summary", "proof_resnet20_0125": "proof_summary",
-             "proof_resnet20_005": "proof_summary", "proof_tiny_llama_lr1e3": "proof_summary",
-             "proof_tiny_llama_012_lr1e3": "proof_summary", "proof_resnet20_xhat": "proof_summary",
+             "proof_resnet20": "proof_summary", "proof_tiny_llama_05_012": "proof_summary",
+             "proof_resnet20_0125": "proof_summary", "proof_resnet20_005": "proof_summary",
+             "proof_tiny_llama_lr1e3": "proof_summary", "proof_resnet20_xhat": "proof_summary",
              "criterion_check_lm": "criterion_summary", "proof_lora": "proof_summary"}
 
 
