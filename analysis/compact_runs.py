@@ -17,6 +17,11 @@ write them again.
     python analysis/compact_runs.py docs/results/budget_proof             # after the runs finished
     python analysis/compact_runs.py --restore docs/results/budget_proof   # maps/ and the carried files back, to rerun
     python analysis/compact_runs.py --restore-maps docs/results/budget_proof   # maps/ only
+    python analysis/compact_runs.py --publish /work/runs/proof_lm42 docs/results/proof_lm_converged
+
+``--publish SRC DEST``: runs made outside the checkout (a frozen worktree's proof writing elsewhere, so
+that a session's end stops nothing of the tree) into ``DEST/runs.json``, every ``SRC`` path named as
+``DEST``'s (``DEST/maps/``, ``DEST/runs/``: what ``--restore`` writes back there).
 
 The summary scripts call ``load``, which rewrites runs.json first whenever raw run folders exist, and
 read the carried files with ``read`` (the file when it is there, else runs.json's copy).
@@ -67,6 +72,19 @@ def compact(out: Path) -> dict:
                               "maps": dict(sorted(maps.items())), **({"files": dict(sorted(files.items()))} if files else {})})
     (out / "runs.json").write_text(json.dumps(table, indent=1) + "\n")
     return table
+
+
+def publish(src: Path, dest: Path) -> dict:
+    """``src``'s runs compacted into ``dest/runs.json``, its paths named as ``dest``'s."""
+    table = compact(src)
+    dest = dest.resolve()
+    target = relative_to_repo(str(dest))
+    text = json.dumps(table, indent=1)
+    for source in {str(src.resolve()), str(src.absolute())}:
+        text = text.replace(f"{source}/", f"{target}/").replace(f'"{source}"', f'"{target}"')
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "runs.json").write_text(text + "\n")
+    return json.loads(text)
 
 
 def carry(out: Path) -> dict[str, Any]:
@@ -157,6 +175,13 @@ def _run_order(path: Path) -> tuple[str, int]:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--publish"]:
+        if len(argv) != 3 or not (Path(argv[1]) / "runs").is_dir():
+            print("compact_runs.py: error: --publish SRC DEST, SRC a result folder with runs/", file=sys.stderr)
+            return 2
+        table = publish(Path(argv[1]), Path(argv[2]))
+        print(f"{Path(argv[2]) / 'runs.json'}: {sum(map(len, table['runs'].values()))} runs from {argv[1]}")
+        return 0
     back = {"--restore": restore, "--restore-maps": restore_maps}.get(argv[0]) if argv else None
     folders = [Path(a) for a in argv[back is not None:]]
     if not folders:

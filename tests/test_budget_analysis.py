@@ -8,6 +8,7 @@ import copy
 import importlib
 import json
 import math
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -155,6 +156,29 @@ def test_compact_runs_writes_paths_relative_to_the_repository(tmp_path: Path) ->
     assert f"{root}/" not in (tmp_path / "runs.json").read_text()
 
 
+def test_compact_runs_publishes_runs_made_outside_the_checkout(tmp_path: Path) -> None:
+    """``--publish SRC DEST``: runs written outside the tree land in DEST/runs.json with SRC's paths
+    named as DEST's (relative to the checkout when DEST is in it), and ``--restore`` writes their map
+    files back under DEST."""
+    src, dest = tmp_path / "elsewhere", tmp_path / "published"
+    write_run(src, "chosen", 0, 60.0, 0.5)
+    (src / "runs" / "chosen" / "seed0" / "metrics.json").write_text(json.dumps(
+        {"final_top1": 0.6, "ratio": 0.5, "compression_source": str(src / "maps" / "chosen.yaml"),
+         "out_dir": str(src / "runs" / "chosen" / "seed0")}))
+    (src / "maps").mkdir()
+    (src / "maps" / "chosen.yaml").write_text(f"# from {src / 'menu/menu.json'}\nmap: {{}}\n")
+    compact_runs = importlib.import_module("compact_runs")
+    assert compact_runs.main(["--publish", str(src), str(dest)]) == 0
+    text = (dest / "runs.json").read_text()
+    assert str(src) not in text
+    run = json.loads(text)["runs"]["chosen"]["0"]
+    assert run["compression_source"] == str(dest / "maps" / "chosen.yaml")
+    assert run["out_dir"] == str(dest / "runs" / "chosen" / "seed0")
+    assert compact_runs.main(["--restore", str(dest)]) == 0
+    assert (dest / "maps" / "chosen.yaml").read_text().startswith(f"# from {dest / 'menu/menu.json'}")
+    assert compact_runs.main(["--publish", str(tmp_path / "none"), str(dest)]) == 2
+
+
 PUBLISHED = {"budget_proof": "proof_summary", "budget_proof_long": "proof_summary",
              "criterion_check": "criterion_summary", "proof": "proof_2x2_summary",
              "proof_tiny_llama": "proof_summary", "criterion_check_tensor_error": "criterion_summary",
@@ -169,6 +193,15 @@ def tracked_results() -> list[str]:
     """The docs/results files git tracks: only git knows, so one git process serves every folder."""
     return subprocess.run(["git", "ls-files", "docs/results"], cwd=REPO, capture_output=True, text=True,
                           check=True).stdout.split()
+
+
+def test_published_results_name_no_directory_of_the_machine(tracked_results: list[str]) -> None:
+    """No generated result file (runs.json, summary.json) holds an absolute path: runs made outside the
+    checkout are published with ``compact_runs.py --publish``, which names them as the folder's own."""
+    absolute = re.compile(r'"/[^"/\s]+/[^"\s]*')
+    found = {name: hit.group(0) for name in tracked_results if name.endswith(("runs.json", "summary.json"))
+             if (hit := absolute.search((REPO / name).read_text()))}
+    assert not found
 
 
 @pytest.mark.parametrize("folder", PUBLISHED)
