@@ -450,6 +450,9 @@ PROOFS = [
     ('results/proof_tiny_llama_05_012', "At 0.5× and 0.12×: the knapsack with and without token pooling against uniform bf16 and int2 (tiny Llama, lr 2e-3)",
      '`python analysis/proof.py --model tiny_llama --set optimizer.lr=2e-3 --out docs/results/proof_tiny_llama_05_012 --budgets 0.5 0.12 --search-trials 0 --uniform-per-budget 1` (+ `unpooled_0.12` and `search_0.12`, see its summary)',
      '`python analysis/proof_summary.py docs/results/proof_tiny_llama_05_012`'),
+    ('results/proof_lm_converged', "At convergence: the menu's maps at 0.25× and 0.12×, codes alone and with recomputed layers (tiny Llama, `experiment=lm_converged`, 3 paired seeds)",
+     "frozen worktree, output outside the tree: `python analysis/proof.py --model lm_converged --out DIR --uniform-per-budget 0 --search-trials 0 --threads 1 --seeds 0 1 2 --workers 1` (+ `--map-files` of the recompute maps; commands in its summary), then `python analysis/compact_runs.py --publish DIR docs/results/proof_lm_converged`",
+     '`python analysis/proof_summary.py docs/results/proof_lm_converged`'),
     ('results/proof_lora', "LoRA fine-tuning (lora_quick) at 0.15× and 0.102× of stock LoRA's saved bytes: the menu's maps, the menu's map with codes and recompute (`recompute_0.15`) and `lossy_int8` (tiny Llama + LoRA r 8, 3 paired seeds)",
      "`python analysis/proof.py --model tiny_llama_lora --out docs/results/proof_lora --seeds 0 1 2 --search-trials 0 --uniform-per-budget 0 --budgets 0.15 0.102 --map-files src/lessmem/conf/compression/lossy_int8.yaml --set model.init_checkpoint=outputs/lm_quick_seed0/checkpoint.pt` (0.102×: the tightest the menu reaches, 0.1002×); `recompute_0.15`: the map of `lessmem-sensitivity experiment=lora_quick sensitivity.warmup_steps=50 sensitivity.batches=4 sensitivity.batch_size=16 menu.recompute=true sensitivity.max_step_ratio=1.25 sensitivity.budget=0.15`, then the same driver with `--map-files` it too and `--configs recompute_0.15`",
      '`python analysis/proof_summary.py docs/results/proof_lora`'),
@@ -472,6 +475,64 @@ FOLDERS = [
     "`DIR/maps/...` needs it).",
     "",
 ]
+
+
+# The converged proofs (issue 42), README's table: (folder, what was trained, the rows shown and how to name them).
+CONVERGED = (
+    ("proof_resnet20_converged", "resnet20, all of CIFAR-10, 50 epochs (top-1 %)",
+     {"chosen_0.08": "default menu's map at 0.08×", "pool2": "the paper's 2×2 (exact BatchNorm inputs)",
+      "budget_0.45": "`memory_budget=` at 0.45× stock's step peak", "adaptive_0.08": "0.08×, re-chosen every 10 epochs"}),
+    ("proof_lm_converged", "tiny Llama, 3,000 steps (val_ppl)",
+     {"chosen_0.25": "default menu's map at 0.25×", "chosen_0.12": "default menu's map at 0.12× (codes)",
+      "recompute_1.10x_0.12": "0.12×, 1 of 4 layers recomputed", "recompute_1.15x_0.12": "0.12×, 2 of 4 layers recomputed"}),
+)
+README_BEGIN = "<!-- converged: written by analysis/make_results.py from the proofs' summary.json -->"
+README_END = "<!-- /converged -->"
+
+
+def converged_table(results: Path, base: Path) -> list[str]:
+    """The converged proofs' rows (``CONVERGED``) from their summary.json, links relative to ``base``:
+    saved bytes, step peak, metric over the seeds run so far, paired difference to stock."""
+    lines = ["| trained | configuration | saved bytes | step peak | result, mean ± std (seeds) | vs stock, paired (95% CI) |",
+             "|---|---|---:|---:|---:|---|"]
+    pending = []
+    for folder, trained, shown in CONVERGED:
+        path = results / folder / "summary.json"
+        if not path.is_file():
+            pending.append(f"{trained}: not published yet")
+            continue
+        summary = json.loads(path.read_text())
+        rows = {r["config"]: r for budget in summary["budgets"].values() for r in budget["rows"]}
+        stock, percent = summary["stock"], summary["layout"]["lower_is_better"]
+        link = f"[{trained}]({rel(results / folder / 'summary.md', base)}); stock {stock['mean']:{'.3f' if percent else '.2f'}} ± {stock['std']:{'.3f' if percent else '.2f'}} ({len(stock['seeds'])})"
+        missing = [config for config in shown if config not in rows]
+        if missing:
+            pending.append(f"{trained}: {', '.join(f'`{c}`' for c in missing)} still training")
+        for config, label in shown.items():
+            if config not in rows:
+                continue
+            r, vs = rows[config], rows[config]["vs_stock"]
+            f = ".3f" if percent else ".2f"  # a perplexity near 3 moves in its third digit
+            std = f" ± {r['std']:{f}}" if len(r["seeds"]) > 1 else ""
+            lo, hi = vs["ci95"]
+            ci = f", CI [{lo:+{f}}, {hi:+{f}}]" if len(vs["seeds"]) > 1 else "; one seed, no CI"
+            diff = f"{vs['rel_pct']:+.1f}% ({vs['mean_diff']:+{f}}{ci})" if percent else f"{vs['mean_diff']:+.2f} pt{ci}"
+            lines.append(f"| {link} | {label} | {r['ratio']:.3f}× | {r['step_peak_ratio']:.3f}× | {r['mean']:{f}}{std} "
+                         f"({len(r['seeds'])}) | {diff} |")
+            link = ""
+    return lines + ([""] + [f"Pending: {'; '.join(pending)}."] if pending else [])
+
+
+def write_readme_table(readme: Path, results: Path) -> None:
+    """README.md's converged table, between its markers (a README without them is left alone)."""
+    if not readme.is_file():
+        return
+    text = readme.read_text()
+    if README_BEGIN not in text:
+        return
+    head, _, rest = text.partition(README_BEGIN)
+    _, _, tail = rest.partition(README_END)
+    readme.write_text("\n".join([head + README_BEGIN, *converged_table(results, readme.parent), README_END]) + tail)
 
 
 def index_section() -> list[str]:
@@ -583,6 +644,10 @@ def build(args: argparse.Namespace) -> str:
         "## Maps at a memory budget: the compressor menu and its criterion (resnet20, CIFAR-10)",
         "",
         *budget_section(results, docs),
+        "## At convergence: the converged proofs (issue 42)",
+        "",
+        *converged_table(results, docs),
+        "",
         "## Language model at 0.25x saved bytes: unbiased codes and the menu's map (tiny Llama, 8 paired seeds)",
         "",
         *lm_proof_section(results / "proof_tiny_llama", docs),
@@ -628,6 +693,7 @@ def build(args: argparse.Namespace) -> str:
         L.append(f"- CIFAR-10 resnet20 runs (`{rel(Path(args.cifar).resolve(), REPO)}`): not finished when generated.")
     text = "\n".join(L) + "\n"
     out.write_text(text)
+    write_readme_table(docs.parent / "README.md", results)
     return text
 
 

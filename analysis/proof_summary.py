@@ -286,7 +286,9 @@ def markdown(result: dict, layout: dict, reports: dict[str, str | None] | None =
                 f"{r['mean']:.2f} ± {_fmt(r['std'], '.2f')} | "
                 f"{', '.join(f'{v:.2f}{m}' for v, m in zip(r[key], marks, strict=True))} | "
                 f"{_paired_cells(vs_s, relative)} | {_paired_cells(vs_u)} |")
-        lines += ["", f"Best uniform option that fits: {data['best_uniform']}.", ""]
+        lines += [""]
+        if any(r["uniform"] for r in data["rows"]):
+            lines += [f"Best uniform option that fits: {data['best_uniform'] or 'none'}.", ""]
         if failed := [f"{r['config']} seed {seed}: {where}" for r in data["rows"]
                       for seed, where in r.get("diverged", {}).items()]:
             lines += ["† diverged (scored as the run ended): " + "; ".join(failed) + ".", ""]

@@ -369,10 +369,11 @@ def tracked(prefix: str) -> list[str]:
 
 
 def test_results_page_regenerates_from_the_committed_evidence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """docs/RESULTS.md, the one index of the results, comes back byte for byte from the files git
-    tracks under docs/ (no run folders, no multirun; its plots are written into the copy)."""
+    """docs/RESULTS.md, the one index of the results, and README's converged table come back byte for
+    byte from the files git tracks under docs/ (no run folders, no multirun; its plots are written into
+    the copy)."""
     monkeypatch.syspath_prepend(str(ANALYSIS))
-    names = tracked("docs")
+    names = tracked("docs") + tracked("README.md")
     if not names:
         pytest.skip("not a git checkout")
     for name in names:
@@ -383,6 +384,7 @@ def test_results_page_regenerates_from_the_committed_evidence(tmp_path: Path, mo
                                         "--memory-csv", str(docs / "results" / "memory.csv"),
                                         "--cifar", str(tmp_path / "no_multirun"), "--no-measure"]) == 0
     assert (docs / "RESULTS.md").read_text() == (REPO / "docs" / "RESULTS.md").read_text()
+    assert (tmp_path / "README.md").read_text() == (REPO / "README.md").read_text()
 
 
 def test_every_relative_link_in_the_docs_resolves() -> None:
