@@ -66,7 +66,7 @@ from lessmem.core import (
 from lessmem.integrations.hf import model_loss, use_chunked_loss
 from lessmem.integrations.schedule import BatchCall, output_is_loss
 from lessmem.sensitivity import budget_profile, format_bytes, parse_bytes
-from lessmem.sensitivity.exact_fit import bare_plans, exact_plans
+from lessmem.sensitivity.exact_fit import exact_ladder
 
 MIB = 2**20
 SHAPES = {
@@ -169,18 +169,14 @@ def lessmem_plans(args: argparse.Namespace) -> dict[str, CompressionPlan]:
     profile = budget_profile(call, batch, optimizer=adamw, loss_fn=output_is_loss)
     assert profile.menu is not None and profile.floor_map is not None
     lossy = profile.menu.make_map(args.lossy_ratio) if args.lossy_ratio else profile.floor_map
-    plans, costs = exact_plans(call, batch[0], 1.0)
-    floors = [plans[-1], *bare_plans(costs)[-1:]]
-    peaks = []
-    for plan in floors:
-        setup = Setup("probe", args, {"probe": plan})
-        peaks.append(setup.profiled_peak(args.probe_length))  # short blocks: the resident set reuses freed pages
-    exact = floors[peaks.index(min(peaks))]
+    # short blocks: the resident set reuses freed pages, so the floors are read with the profiler
+    ladder = exact_ladder(call, batch[0], 1.0, lambda plan: Setup("probe", args, {"probe": plan}).profiled_peak(args.probe_length))
+    exact = ladder.plans[-1]
     print(f"plans measured at {args.probe_length} tokens in {time.perf_counter() - started:.0f} s: lossy "
           f"{f'map at {args.lossy_ratio}x' if args.lossy_ratio else 'floor'} saves "
           f"{lossy.score['bytes'] / MIB:.1f} MiB (predicted gradient error {lossy.score.get('grad_error', 0):.3f}); exact floor "
-          f"{'lessmem ladder' if exact is floors[0] else 'plain checkpointing'} "
-          f"({len(exact.recompute)} regions recomputed), step peaks {[format_bytes(p) for p in peaks]}", flush=True)
+          f"{'plain checkpointing' if ladder.bare else 'lessmem ladder'} "
+          f"({len(exact.recompute)} regions recomputed), step peak {format_bytes(ladder.floor_peak)}", flush=True)
     return {"lessmem_lossy": lossy.plan, "lessmem_exact": exact}
 
 

@@ -16,6 +16,7 @@ from lessmem.cli.train import train_main
 from lessmem.experiment import run
 from lessmem.models import build_model
 from lessmem.sensitivity import NoFit, budget_profile, format_bytes, parse_bytes, plan_batches
+from lessmem.sensitivity.exact_fit import exact_ladder
 from lessmem.sensitivity.fit import menu_samples
 
 
@@ -170,6 +171,23 @@ def test_exact_fit_keeps_stock_gradients_within_the_budget(setup) -> None:
         torch.nn.functional.cross_entropy(net(batch[0]), batch[1]).backward()
         grads.append(torch.cat([p.grad.flatten() for p in net.parameters()]))
     assert torch.allclose(grads[1], grads[0], rtol=1e-5, atol=1e-5 * grads[0].abs().max().item())
+
+
+@pytest.mark.parametrize("bare_is_lower", [False, True])
+def test_exact_ladder_runs_on_the_ladder_with_the_lower_floor(setup, bare_is_lower: bool) -> None:
+    """fit's exact search and benchmarks/context.py take one ladder: lessmem's (companions, from_bn,
+    chunked BatchNorm, regions) or, where its floor peaks lower, plain checkpointing's (regions alone)."""
+    model, batch, _ = setup
+    measured = []
+
+    def peak(plan) -> int:  # a stand-in for the measured step: plain checkpointing keeps no companions
+        measured.append(plan)
+        return 10 if (not plan.exact_companions) is bare_is_lower else 20
+
+    ladder = exact_ladder(model, batch[0][:4], 4.0, peak)
+    assert ladder.bare is bare_is_lower and ladder.floor_peak == 10 and len(measured) == 2
+    assert ladder.plans[-1].recompute == tuple(c.name for c in ladder.costs) and ladder.costs
+    assert all(not plan.exact_companions for plan in ladder.plans) is bare_is_lower
 
 
 def test_exact_fit_below_the_floor_and_bad_fidelity(setup) -> None:

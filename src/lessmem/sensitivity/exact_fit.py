@@ -171,6 +171,30 @@ def bare_plans(costs: list[RegionCost]) -> list[CompressionPlan]:
             for k in range(1, len(costs) + 1)]
 
 
+@dataclass(frozen=True)
+class ExactLadder:
+    """The ladder the search runs on: ``plans`` fastest first, the regions' ``costs``, the last plan's
+    (the floor's) measured peak, and whether it is plain checkpointing's (``bare_plans``)."""
+
+    plans: list[CompressionPlan]
+    costs: list[RegionCost]
+    floor_peak: int
+    bare: bool
+
+
+def exact_ladder(model: nn.Module, inputs: Tensor, scale: float, peak: Peak) -> ExactLadder:
+    """``exact_plans``, or plain checkpointing's ladder where its floor, measured by ``peak``, is the
+    lower: the one ladder whose floor decides what fits."""
+    plans, costs = exact_plans(model, inputs, scale)
+    floor = peak(plans[-1])
+    if costs:
+        bare = bare_plans(costs)
+        bare_floor = peak(bare[-1])
+        if bare_floor < floor:
+            return ExactLadder(bare, costs, bare_floor, bare=True)
+    return ExactLadder(plans, costs, floor, bare=False)
+
+
 def fastest_fitting(plans: list[CompressionPlan], peak: Peak, budget_bytes: int,
                     known: dict[int, int] | None = None) -> tuple[int | None, dict[int, int]]:
     """The index of the first plan whose measured peak fits ``budget_bytes`` (None: not even the

@@ -48,7 +48,7 @@ from lessmem.core import (
     uncompress,
 )
 from lessmem.sensitivity.byte_sizes import format_bytes, parse_bytes
-from lessmem.sensitivity.exact_fit import RegionCost, bare_plans, exact_plans, fastest_fitting
+from lessmem.sensitivity.exact_fit import RegionCost, exact_ladder, fastest_fitting
 from lessmem.sensitivity.items import shared_options
 from lessmem.sensitivity.menu import CRITERIA, DEFAULT_CRITERION, MenuResult, ScoredPlan
 from lessmem.sensitivity.menu_measure import measure_menu
@@ -221,22 +221,17 @@ def _fit_exact(step: _Stepper, batch: tuple[Tensor, Tensor], budget_bytes: int, 
                required: bool) -> BudgetFit | None:
     """The fastest exact plan whose step fits (``exact_fit``); none: ``NoFit`` if ``required``, else None."""
     n = menu_samples(len(batch[0]))
-    plans, costs = exact_plans(step.model, batch[0][:n], len(batch[0]) / n)
-    reports: dict[int, Any] = {}
+    reports: dict[int, Any] = {}  # id(plan) -> its step's report
 
     def peak(plan: CompressionPlan) -> int:
-        reports[plans.index(plan)] = report = step.peak(plan)
+        reports[id(plan)] = report = step.peak(plan)
         return report.peak_bytes
 
-    known = {len(plans) - 1: peak(plans[-1])}
-    if costs:  # the lower of the two ladders' floors decides which one the search runs on
-        bare = bare_plans(costs)
-        lessmem_floor, bare_floor = known[len(plans) - 1], step.peak(bare[-1])
-        log.info("lessmem.fit: exact floors: lessmem's ladder %s, plain checkpointing %s",
-                 format_bytes(lessmem_floor), format_bytes(bare_floor.peak_bytes))
-        if bare_floor.peak_bytes < lessmem_floor:
-            plans, known = bare, {len(bare) - 1: bare_floor.peak_bytes}
-            reports[len(bare) - 1] = bare_floor
+    ladder = exact_ladder(step.model, batch[0][:n], len(batch[0]) / n, peak)
+    plans, costs = ladder.plans, ladder.costs
+    log.info("lessmem.fit: exact floor %s (%s)", format_bytes(ladder.floor_peak),
+             "plain checkpointing's ladder, lower than lessmem's" if ladder.bare else "lessmem's ladder")
+    known = {len(plans) - 1: ladder.floor_peak}
     index, measured = fastest_fitting(plans, peak, budget_bytes, known)
     floor = measured[len(plans) - 1]
     log.info("lessmem.fit: exact plans measured (index: peak): %s; %d recomputable regions",
@@ -244,7 +239,7 @@ def _fit_exact(step: _Stepper, batch: tuple[Tensor, Tensor], budget_bytes: int, 
     if index is None:
         if not required:
             return None
-        static = float(sum(reports[len(plans) - 1].by_category.get(c, 0) for c in STATIC_CATEGORIES))
+        static = float(sum(reports[id(plans[-1])].by_category.get(c, 0) for c in STATIC_CATEGORIES))
         per_sample = (floor - static) / len(batch[0])
         largest = max(0, math.floor((budget_bytes - static) / per_sample)) if per_sample > 0 else len(batch[0])
         batches = (f"the largest batch that fits is about {largest}" if largest else
