@@ -3,7 +3,7 @@ least-criterion map within each budget, over the whole menu, the kernel-only one
 native storage, BatchNorm inputs kept exact: the paper's question with the new criterion) or the
 unpooled one (stochastic codes only: pooling's bias on the weight gradient is what no criterion
 measured on one step sees); ``step=R`` also recomputes the menu's regions where that lowers the
-criterion, the predicted step within R stock steps (a menu measured with ``menu.recompute=true``).
+criterion, their predicted reruns within R stock steps (a menu measured with ``menu.recompute=true``).
 
     python analysis/menu_maps.py docs/results/criterion_check/menu/menu.json --out maps/ \
         --maps grad_error:0.15 grad_error:0.3 cosine:0.3 grad_error:0.547:kernels grad_error:0.08:unpooled
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         choice = source.make_map(float(budget), criterion, max_step_ratio=max_step)
         score = result.score(choice.plan)
         name = f"{criterion}_{budget}" + "".join(f"_{s.replace('=', '')}" for s in suffixes)
-        recomputed = (f"; {len(choice.plan.recompute)} regions recomputed, predicted step {score['step_ratio']:.2f}x"
+        recomputed = (f"; {len(choice.plan.recompute)} regions recomputed, reruns predicted to add {score['step_ratio'] - 1:.0%} of a step"
                       if choice.plan.recompute else "")
         comment = (f"least {criterion} within {budget} x stock saved bytes ({narrowing[0] if narrowing else 'whole'} menu"
                    f"{f', step within {max_step:g}x' if steps else ''}), from {args.menu}\npredicted ratio "

@@ -113,11 +113,15 @@ def test_sensitivity_options_reach_the_run(tmp_path: Path, run_cli, tiny: tuple[
     out = tmp_path / "out"
     result = run_cli(sensitivity.main, "lessmem-sensitivity", *tiny, "sensitivity.batches=1",
                      "sensitivity.batch_size=4", "menu.kernels=[1, 2]", f"sensitivity.checkpoint={weights}",
-                     f"sensitivity.out={out}")
+                     f"sensitivity.out={out}", "sensitivity.time_steps=2")
     assert result.status == 0, result.stderr
     meta = MenuResult.load(out).meta
     assert meta["kernels"] == [1, 2] and (meta["batches"], meta["batch_size"], meta["weights"]) == (1, 4, str(weights))
-    assert (out / "menu.json").is_file() and (out / "menu_resnet20.yaml").is_file()
+    # the written map's step is timed against stock's: its header says the measured ratio
+    measured = meta["chosen"]["measured_step_ratio"]
+    assert measured > 0 and f"measured step {measured:.2f}x stock's" in (out / "menu_resnet20.yaml").read_text()
+    bad = run_cli(sensitivity.main, "lessmem-sensitivity", *tiny, "sensitivity.time_steps=-1")
+    assert bad.is_one_error("lessmem-sensitivity", "sensitivity.time_steps=-1: steps to time the map with"), bad
 
 
 # ---- installed from a wheel ----

@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from lessmem.cli.errors import hydra_entry, job_errors
-from lessmem.experiment import conf_dir
+from lessmem.experiment import conf_dir, step_timer
 from lessmem.search import check_criterion, measure_config_menu, write_menu_files
 from lessmem.sensitivity import JOINT_KIND, MAP_KINDS, MenuResult
 
@@ -53,10 +53,13 @@ def _sensitivity(cfg: DictConfig) -> None:
     with job_errors(PROG):
         opts = cfg.sensitivity
         check_criterion(str(opts.criterion))
+        if int(opts.time_steps) < 0:
+            raise ValueError(f"sensitivity.time_steps={opts.time_steps}: steps to time the map with, 0 for none")
         result = measure_config_menu(cfg, cfg.menu, opts)
         out = Path(HydraConfig.get().runtime.output_dir)
+        timer = step_timer(cfg, int(opts.batch_size), str(opts.split), int(opts.time_steps)) if opts.time_steps else None
         _, paths = write_menu_files(result, float(opts.budget), str(opts.criterion), out,
-                                    Path(str(opts.map_out)) if opts.map_out else None, float(opts.max_step_ratio))
+                                    Path(str(opts.map_out)) if opts.map_out else None, float(opts.max_step_ratio), timer)
     _print_menu(result)
     for key, p in paths.items():
         print(f"{key}: {p}")

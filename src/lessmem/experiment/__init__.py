@@ -1,7 +1,7 @@
 """The experiment framework: a composed Hydra config in, a trained and measured run out
 (``run``). Importing it makes the configs' resolvers (``${lessmem.data_root:NAME}``) available."""
 
-from lessmem.experiment.budget import plan_for_config
+from lessmem.experiment.budget import plan_for_config, step_timer
 from lessmem.experiment.checkpoint import Interrupted, load_checkpoint
 from lessmem.experiment.data import fixed_batches
 from lessmem.experiment.loggers import coverage_for_config, save_report
@@ -33,6 +33,7 @@ __all__ = [
     "resolve_path",
     "run",
     "save_report",
+    "step_timer",
     "task_of",
     "with_progress",
 ]

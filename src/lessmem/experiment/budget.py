@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from omegaconf import DictConfig
+import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
+from lessmem.core import CompressionPlan
+from lessmem.experiment.data import fixed_batches
 from lessmem.experiment.probes import first_batch
-from lessmem.experiment.runtime import PRECISIONS, seed_everything
-from lessmem.experiment.spec import RunSpec, resolve_run
+from lessmem.experiment.runtime import PRECISIONS, resolve_device, seed_everything
+from lessmem.experiment.spec import OptimSpec, RunSpec, model_spec, resolve_run
+from lessmem.experiment.task import task_of
 from lessmem.sensitivity import (
     BudgetFit,
     PlanRow,
@@ -23,6 +28,7 @@ from lessmem.sensitivity import (
     format_bytes,
     parse_bytes,
     plan_batches,
+    step_time_ratio,
 )
 
 log = logging.getLogger(__name__)
@@ -67,6 +73,24 @@ def plan_for_config(cfg: DictConfig, factors: tuple[float, ...]) -> tuple[RunSpe
     net, on_device, settings = _as_measured(model, first_batch(val_loader, spec.data.batch_size), spec)
     fitted = None if spec.fidelity == "lossy" else fit(net, on_device, budget, fidelity=spec.fidelity, **settings)
     return spec, budget, plan_batches(budget_profile(net, on_device, **settings), budget, factors), fitted
+
+
+def step_timer(cfg: DictConfig, batch_size: int, split: str, repeats: int) -> Callable[[CompressionPlan], float]:
+    """A plan's training step time over stock's for the model of the train config ``cfg`` (its
+    seeded init, optimizer, loss, precision, device and layout) on its first fixed batch of
+    ``batch_size`` from ``split``: what ``lessmem-sensitivity`` measures of the map it writes (the
+    menu predicts only the reruns of recomputed regions; codes and rebuilds cost time too)."""
+    seed = int(cfg.get("seed", 0))
+    seed_everything(seed)
+    device = resolve_device(str(cfg.get("device", "auto")))
+    layout = torch.channels_last if cfg.get("channels_last") else torch.contiguous_format
+    model = model_spec(cfg.model).build().to(device, memory_format=layout)
+    x, y = fixed_batches(cfg.dataset, 1, batch_size, split, seed)[0]
+    batch = (x.to(device), y.to(device))
+    optimizer = OptimSpec(OmegaConf.to_container(cfg.optimizer, resolve=True), {}).optimizer_for
+    settings = {"optimizer": optimizer, "loss_fn": task_of(cfg).criterion,
+                "amp_dtype": PRECISIONS[str(cfg.get("precision", "fp32"))]}
+    return lambda plan: step_time_ratio(model, batch, plan, repeats=repeats, **settings)
 
 
 def _as_measured(model: nn.Module, batch: tuple[Tensor, Tensor],

@@ -6,7 +6,14 @@ whole training step fits a memory budget in bytes. Torch only."""
 
 from lessmem.sensitivity.budget_plan import PlanRow, plan_batches
 from lessmem.sensitivity.byte_sizes import format_bytes, parse_bytes
-from lessmem.sensitivity.fit import FIDELITIES, BudgetFit, NoFit, budget_profile, fit
+from lessmem.sensitivity.fit import (
+    FIDELITIES,
+    BudgetFit,
+    NoFit,
+    budget_profile,
+    fit,
+    step_time_ratio,
+)
 from lessmem.sensitivity.items import JOINT_KIND, MAP_KINDS, MenuItem, joint_option, option_name
 from lessmem.sensitivity.menu import CRITERIA, DEFAULT_CRITERION, MenuResult, ScoredPlan
 from lessmem.sensitivity.menu_measure import measure_menu
@@ -22,6 +29,7 @@ __all__ = [
     "format_bytes",
     "parse_bytes",
     "plan_batches",
+    "step_time_ratio",
     "CRITERIA",
     "DEFAULT_CRITERION",
     "DEFAULT_KERNELS",

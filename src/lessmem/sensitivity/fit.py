@@ -253,6 +253,14 @@ def _fit_exact(step: _Stepper, batch: tuple[Tensor, Tensor], budget_bytes: int, 
                      fidelity="exact", step_time_ratio=step.time_ratio(plan), regions=tuple(costs), **base)
 
 
+def step_time_ratio(model: nn.Module, batch: tuple[Tensor, Tensor], plan: CompressionPlan, *,
+                    optimizer: OptimizerFactory | None = None, loss_fn: LossFn = F.cross_entropy,
+                    amp_dtype: torch.dtype | None = None, repeats: int = TIMED_STEPS) -> float:
+    """``plan``'s training step time over stock's on ``batch``: a copy of ``model`` compressed in turn
+    with each, steps alternating (one untimed of each first), the ratio of the medians."""
+    return _Stepper(model, batch, optimizer, loss_fn, amp_dtype).time_ratio(plan, repeats)
+
+
 def budget_profile(model: nn.Module, batch: tuple[Tensor, Tensor], *, optimizer: OptimizerFactory | None = None,
                    loss_fn: LossFn = F.cross_entropy, amp_dtype: torch.dtype | None = None,
                    criterion: str = DEFAULT_CRITERION) -> BudgetProfile:
