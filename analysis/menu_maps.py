@@ -62,9 +62,9 @@ def _keeps(item: MenuItem, option: str, keeps: Callable[[str], bool]) -> bool:
 def later_table(plan: CompressionPlan, earlier: MenuResult, later: MenuResult, criterion: str) -> str:
     """Markdown: each item ``plan`` leaves lossy, its option and ``criterion`` as the knapsack sums it
     (``1 - cosine``, ``|loss_change|``) on both menus, the largest later value first, and the totals
-    (recomputed items add none)."""
+    (a recomputed item: the error of what its rerun stores)."""
     before, after = earlier.item_values(plan, criterion), later.item_values(plan, criterion)
-    rows = sorted(((n, o, v, after[n][1]) for n, (o, v) in before.items() if o != "recomputed" and (v or after[n][1])),
+    rows = sorted(((n, o, v, after[n][1]) for n, (o, v) in before.items() if (v or after[n][1])),
                   key=lambda r: -r[3])
     summed = {"cosine": "1 - cosine", "loss_change": "|loss_change|"}.get(criterion, criterion)
     lines = [f"| item | option | {summed}, earlier menu | later menu | later / earlier |", "|---|---|---:|---:|---:|"]

@@ -164,7 +164,7 @@ def test_menu_maps_narrow_both_parts_of_a_batchnorm_conv_item() -> None:
 def test_menu_maps_recompute_within_a_step_and_read_on_a_later_menu(tmp_path: Path) -> None:
     """``step=R`` recomputes the region where that lowers the error within R stock steps (and not
     beyond R); ``--later`` reads each map item by item on a later menu: the totals are the two
-    menus' scores, a recomputed item is left out of the table."""
+    menus' scores, a recomputed item listed with what its rerun stores (int8) and that error."""
     from lessmem.core import CompressionPlan
     from lessmem.sensitivity import MenuItem, MenuResult
     from lessmem.sensitivity.items import RecomputeOption
@@ -184,7 +184,7 @@ def test_menu_maps_recompute_within_a_step_and_read_on_a_later_menu(tmp_path: Pa
                "--maps", "tensor_error:0.2", "tensor_error:0.2:step=1.2", "tensor_error:0.2:step=1.05"])
     codes, rerun = (CompressionPlan.read(tmp_path / f"tensor_error_0.2{s}.yaml") for s in ("", "_step1.2"))
     assert codes.recompute == () and CompressionPlan.read(tmp_path / "tensor_error_0.2_step1.05.yaml").recompute == ()
-    assert rerun.recompute == ("a",) and rerun.map["b.fc"] == "int8"
+    assert rerun.recompute == ("a",) and rerun.map["b.fc"] == "int8" and rerun.map["a.fc"] == "int8"
     early, late = MenuResult.load(tmp_path / "early/menu.json"), MenuResult.load(tmp_path / "late/menu.json")
     assert early.score(rerun)["tensor_error"] < early.score(codes)["tensor_error"]
     for name, plan in (("tensor_error_0.2", codes), ("tensor_error_0.2_step1.2", rerun)):
@@ -192,7 +192,7 @@ def test_menu_maps_recompute_within_a_step_and_read_on_a_later_menu(tmp_path: Pa
         total = table.splitlines()[-1].split("|")
         assert float(total[3].strip(" *")) == pytest.approx(early.score(plan)["tensor_error"], rel=1e-3)
         assert float(total[4].strip(" *")) == pytest.approx(late.score(plan)["tensor_error"], rel=1e-3)
-    assert "| a.fc |" not in (tmp_path / "later_tensor_error_0.2_step1.2.md").read_text()
+    assert "| a.fc | recomputed, int8 | 0.01 | 0.03 | 3.00 |" in (tmp_path / "later_tensor_error_0.2_step1.2.md").read_text()
 
 
 def test_pareto_front_on_any_columns() -> None:

@@ -556,9 +556,10 @@ def test_sensitivity_cli_measures_the_lm_menu_after_warm_up(tmp_path: Path, run_
 def test_menu_recompute_options_predict_bytes_and_trade_time_for_error() -> None:
     """menu.recompute: each decoder layer (and run of layers) offered with measured bytes and
     seconds; a map with regions recomputed predicts measure_memory's bytes byte for byte, its
-    items there keep nothing and add no error; under a byte budget that int8 codes alone cannot
-    reach, regions make it, within max_step_ratio only; a plan recomputing an unmeasured region
-    is refused by name; regions survive the menu file."""
+    items there keep nothing between forward and backward, their rerun storing int8 codes (their
+    error counted; the rerun's backward peaks lower than with float32 inside); under a byte budget
+    that int8 codes alone cannot reach, regions make it, within max_step_ratio only; a plan
+    recomputing an unmeasured region is refused by name; regions survive the menu file."""
     torch.manual_seed(0)
     model = build_model("tiny_llama", num_classes=64, hidden_size=32, intermediate_size=96, num_hidden_layers=4,
                         num_attention_heads=4, num_key_value_heads=2).train()
@@ -584,7 +585,16 @@ def test_menu_recompute_options_predict_bytes_and_trade_time_for_error() -> None
     measured = lessmem.measure_memory(lessmem.compress(copy.deepcopy(model), chosen.plan), x).total_bytes
     assert measured <= chosen.score["bytes"] <= 1.05 * measured
     everywhere = menu.uniform_choice("int8", act="int8", saved="int8").score
-    assert chosen.score["tensor_error"] < everywhere["tensor_error"]  # the recomputed layers' share is gone
+    assert chosen.score["tensor_error"] <= everywhere["tensor_error"]
+    inside = [n for n, (o, _) in menu.item_values(chosen.plan).items() if o.startswith("recomputed")]
+    assert inside and all(menu.item_values(chosen.plan)[n][0] == "recomputed, int8" for n in inside)
+    exact_inside = dataclasses.replace(chosen.plan, map={k: "1" if any(k.startswith(f"{r}.") for r in chosen.plan.recompute)
+                                                         else v for k, v in chosen.plan.map.items()})
+    assert menu.score(exact_inside)["tensor_error"] < chosen.score["tensor_error"]  # the rerun's codes count
+    assert menu.score(exact_inside)["bytes"] == chosen.score["bytes"]  # and keep nothing across the step
+    peaks = [lessmem.measure_step_memory(lessmem.compress(copy.deepcopy(model), plan), (x, y), loss_fn=loss).peak_bytes
+             for plan in (chosen.plan, exact_inside)]
+    assert peaks[0] <= peaks[1]
     tight = menu.recompute_ladder(1.0 + min(r.seconds for r in menu.regions) / menu.meta["step_seconds"] / 2)
     assert tight == [[]]  # not even one region's rerun fits that step
     with pytest.raises(ValueError, match="did not measure"):

@@ -30,8 +30,11 @@ Bytes: what each option keeps, exactly as ``lessmem.measure_memory`` counts it. 
 the layers reading one tensor (ResNet's conv1 and downsample) storing each distinct option once.
 
 Recompute (``MenuOptions.recompute``): the model's blocks and runs of sibling layers, each with its
-measured bytes and forward seconds (``RecomputeOption``). A recomputed region's items keep nothing and
-add no error; the region adds its ``delta_bytes``. ``make_map(..., max_step_ratio=r)`` tries the
+measured bytes and forward seconds (``RecomputeOption``). A recomputed region's items keep nothing
+between forward and backward (the region adds its ``delta_bytes``); its rerun in backward stores them
+for the region's own backward, in ``RERUN_STORAGE`` where the item offers it (their error counts, their
+bytes are that backward's transient only: a float32 rerun of one tiny Llama decoder layer set the
+step's peak, 0.451x stock's, against 0.330x with int8 inside). ``make_map(..., max_step_ratio=r)`` tries the
 regions one more at a time (most bytes freed per second of rerun first) while the reruns' seconds stay
 within ``r`` times a stock step's (measured with the menu) and keeps the map of least criterion
 (``MIN_GAIN`` lower than the best before it): time traded for error where codes alone would have to
@@ -74,6 +77,10 @@ DEFAULT_CRITERION = "tensor_error"
 # make_map spends rerun time only for a criterion at least this much lower (relative) than the
 # map with one region set fewer: not +15% step time to shave an int8 map's 1e-6.
 MIN_GAIN = 0.1
+# What a recomputed region's items store for the region's own backward (the rerun's transient; an
+# item without it keeps its exact option): int8 codes, whose error is far below the criterion's scale
+# of interest (the 0.25x maps of int8 codes train to stock's val_ppl at convergence, docs/proofs.md).
+RERUN_STORAGE = "int8"
 
 
 @dataclass(frozen=True)
@@ -136,11 +143,11 @@ class MenuResult:
 
     def item_values(self, plan: CompressionPlan, criterion: str = DEFAULT_CRITERION) -> dict[str, tuple[str, float]]:
         """Item name -> the option ``plan`` gives it and that option's additive ``criterion`` value
-        (what ``make_map`` sums; an item rerun in backward: ``"recomputed"``, 0): where a plan's
+        (what ``make_map`` sums; an item rerun in backward: ``"recomputed, <option>"``): where a plan's
         predicted error lies, item by item."""
         chosen, inside = self.options_of(plan), self._inside(self._recomputed(plan))
-        return {i.name: ("recomputed", 0.0) if i.name in inside else
-                (chosen[i.name], _additive(i, criterion)[i.index(chosen[i.name])]) for i in self.items}
+        return {i.name: (f"recomputed, {chosen[i.name]}" if i.name in inside else chosen[i.name],
+                         _additive(i, criterion)[i.index(chosen[i.name])]) for i in self.items}
 
     def _recomputed(self, plan: CompressionPlan) -> list[RecomputeOption]:
         known = {r.name: r for r in self.regions}
@@ -179,12 +186,11 @@ class MenuResult:
         nbytes = self.base_bytes + sum(r.delta_bytes for r in regions or [])
         inside = self._inside(regions or [])
         for item in self.items:
-            if item.name in inside:  # rerun in backward: exact
-                totals["cosine"] = totals.get("cosine", 0.0) + 1.0
-                continue
             j = item.index(chosen[item.name])
             for c in criteria:
                 totals[c] += item.mean(c)[j]
+            if item.name in inside:  # rerun in backward: its storage is that backward's transient
+                continue
             if item.group is None:
                 nbytes += item.nbytes[j]
             else:  # a shared input keeps each distinct option once
@@ -255,11 +261,13 @@ class MenuResult:
         choice = least_value_choice(values, costs, limit - fixed)
         if choice is None:
             return None, least
-        chosen = {i.name: i.exact_option for i in self.items if i.name in inside}
+        rerun_items = [i for i in self.items if i.name in inside]
+        chosen = {i.name: rerun_option(i) for i in rerun_items}
+        rerun = sum(_additive(i, criterion)[i.index(chosen[i.name])] * (weights or {}).get(i.name, 1.0) for i in rerun_items)
         for members, options, j in zip(units, unit_options, choice, strict=True):
             for m in members:
                 chosen[m.name] = options[j]
-        return (sum(v[j] for v, j in zip(values, choice, strict=True)), chosen), least
+        return (rerun + sum(v[j] for v, j in zip(values, choice, strict=True)), chosen), least
 
     def choice_of(self, chosen: Mapping[str, str], regions: list[RecomputeOption] | None = None) -> ScoredPlan:
         """The plan giving each item its option in ``chosen`` (item name -> option; items reading
@@ -362,6 +370,13 @@ class MenuResult:
                      f"of each option, {self.meta.get('batches', '?')} batches")
             paths["png"] = plot_menu(self.items, out / "menu.png", title)
         return paths
+
+
+def rerun_option(item: MenuItem) -> str:
+    """The option a recomputed region's ``item`` stores for its rerun's backward: ``RERUN_STORAGE``
+    (with its BatchNorm's for a BatchNorm x conv item) where offered, else its exact option."""
+    option = joint_option(RERUN_STORAGE, RERUN_STORAGE) if item.kind == JOINT_KIND else RERUN_STORAGE
+    return option if option in item.options else item.exact_option
 
 
 def _additive(item: MenuItem, criterion: str) -> list[float]:
