@@ -21,7 +21,8 @@ write them again.
 
 ``--publish SRC DEST``: runs made outside the checkout (a frozen worktree's proof writing elsewhere, so
 that a session's end stops nothing of the tree) into ``DEST/runs.json``, every ``SRC`` path named as
-``DEST``'s (``DEST/maps/``, ``DEST/runs/``: what ``--restore`` writes back there).
+``DEST``'s (``DEST/maps/``, ``DEST/runs/``: what ``--restore`` writes back there), and a path beside the
+checkout (the data root) relative to it, as the configs name it (``../shared/data/cifar10``).
 
 The summary scripts call ``load``, which rewrites runs.json first whenever raw run folders exist, and
 read the carried files with ``read`` (the file when it is there, else runs.json's copy).
@@ -82,6 +83,7 @@ def publish(src: Path, dest: Path) -> dict:
     text = json.dumps(table, indent=1)
     for source in {str(src.resolve()), str(src.absolute())}:
         text = text.replace(f"{source}/", f"{target}/").replace(f'"{source}"', f'"{target}"')
+    text = text.replace(f'"{REPO.parent}/', '"../')  # beside the checkout (the data root): as the configs name it
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "runs.json").write_text(text + "\n")
     return json.loads(text)

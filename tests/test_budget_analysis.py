@@ -186,7 +186,7 @@ PUBLISHED = {"budget_proof": "proof_summary", "budget_proof_long": "proof_summar
              "proof_resnet20_0125": "proof_summary", "proof_resnet20_005": "proof_summary",
              "proof_tiny_llama_lr1e3": "proof_summary", "proof_resnet20_xhat": "proof_summary",
              "criterion_check_lm": "criterion_summary", "proof_lora": "proof_summary",
-             "proof_lm_converged": "proof_summary"}
+             "proof_lm_converged": "proof_summary", "proof_resnet20_converged": "proof_summary"}
 
 
 @pytest.fixture(scope="module")
