@@ -484,10 +484,12 @@ FOLDERS = [
 CONVERGED = (
     ("proof_resnet20_converged", "resnet20, all of CIFAR-10, 50 epochs (top-1 %)",
      {"chosen_0.08": "default menu's map at 0.08×", "pool2": "the paper's 2×2 (exact BatchNorm inputs)",
-      "budget_0.45": "`memory_budget=` at 0.45× stock's step peak", "adaptive_0.08": "0.08×, re-chosen every 10 epochs"}),
+      "budget_0.45": "`memory_budget=` at 0.45× stock's step peak"}),
     ("proof_lm_converged", "tiny Llama, 3,000 steps (val_ppl)",
      {"chosen_0.25": "default menu's map at 0.25×", "chosen_0.12": "default menu's map at 0.12× (codes)",
-      "recompute_1.10x_0.12": "0.12×, 1 of 4 layers recomputed", "recompute_1.15x_0.12": "0.12×, 2 of 4 layers recomputed"}),
+      "recompute_1.10x_0.12": "0.12×, layer 0 recomputed (float32 inside its rerun)",
+      "recompute_int8_1.10x_0.12": "0.12×, layer 0 recomputed, int8 inside its rerun",
+      "recompute_int8_1.15x_0.12": "0.12×, layers 0-1 recomputed, int8 inside"}),
 )
 README_BEGIN = "<!-- converged: written by analysis/make_results.py from the proofs' summary.json -->"
 README_END = "<!-- /converged -->"
