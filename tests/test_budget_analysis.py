@@ -158,13 +158,13 @@ def test_compact_runs_writes_paths_relative_to_the_repository(tmp_path: Path) ->
 
 def test_compact_runs_publishes_runs_made_outside_the_checkout(tmp_path: Path) -> None:
     """``--publish SRC DEST``: runs written outside the tree land in DEST/runs.json with SRC's paths
-    named as DEST's (relative to the checkout when DEST is in it), and ``--restore`` writes their map
-    files back under DEST."""
+    named as DEST's (relative to the checkout when DEST is in it), a path beside the checkout relative
+    to it, and ``--restore`` writes their map files back under DEST."""
     src, dest = tmp_path / "elsewhere", tmp_path / "published"
     write_run(src, "chosen", 0, 60.0, 0.5)
     (src / "runs" / "chosen" / "seed0" / "metrics.json").write_text(json.dumps(
         {"final_top1": 0.6, "ratio": 0.5, "compression_source": str(src / "maps" / "chosen.yaml"),
-         "out_dir": str(src / "runs" / "chosen" / "seed0")}))
+         "out_dir": str(src / "runs" / "chosen" / "seed0"), "data_root": str(REPO.resolve().parent / "data" / "cifar10")}))
     (src / "maps").mkdir()
     (src / "maps" / "chosen.yaml").write_text(f"# from {src / 'menu/menu.json'}\nmap: {{}}\n")
     compact_runs = importlib.import_module("compact_runs")
@@ -174,6 +174,7 @@ def test_compact_runs_publishes_runs_made_outside_the_checkout(tmp_path: Path) -
     run = json.loads(text)["runs"]["chosen"]["0"]
     assert run["compression_source"] == str(dest / "maps" / "chosen.yaml")
     assert run["out_dir"] == str(dest / "runs" / "chosen" / "seed0")
+    assert run["data_root"] == "../data/cifar10"  # beside the checkout: as the configs name it
     assert compact_runs.main(["--restore", str(dest)]) == 0
     assert (dest / "maps" / "chosen.yaml").read_text().startswith(f"# from {dest / 'menu/menu.json'}")
     assert compact_runs.main(["--publish", str(tmp_path / "none"), str(dest)]) == 2
