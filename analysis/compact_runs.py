@@ -81,9 +81,11 @@ def publish(src: Path, dest: Path) -> dict:
     dest = dest.resolve()
     target = relative_to_repo(str(dest))
     text = json.dumps(table, indent=1)
+    mark = "\0dest\0"  # DEST may itself lie beside the checkout: put it in after the rewrite below
     for source in {str(src.resolve()), str(src.absolute())}:
-        text = text.replace(f"{source}/", f"{target}/").replace(f'"{source}"', f'"{target}"')
+        text = text.replace(f"{source}/", f"{mark}/").replace(f'"{source}"', f'"{mark}"')
     text = text.replace(f'"{REPO.parent}/', '"../')  # beside the checkout (the data root): as the configs name it
+    text = text.replace(mark, target)
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "runs.json").write_text(text + "\n")
     return json.loads(text)
