@@ -520,7 +520,9 @@ def converged_table(results: Path, base: Path) -> list[str]:
             f = ".3f" if percent else ".2f"  # a perplexity near 3 moves in its third digit
             std = f" ± {r['std']:{f}}" if len(r["seeds"]) > 1 else ""
             lo, hi = vs["ci95"]
-            ci = f", CI [{lo:+{f}}, {hi:+{f}}]" if len(vs["seeds"]) > 1 else "; one seed, no CI"
+            n = len(vs["seeds"])  # two seeds' bootstrap interval is just their range: say so
+            ci = (f", CI [{lo:+{f}}, {hi:+{f}}]" if n > 2 else f", the two seeds' range [{lo:+{f}}, {hi:+{f}}]" if n == 2
+                  else "; one seed, no CI")
             diff = f"{vs['rel_pct']:+.1f}% ({vs['mean_diff']:+{f}}{ci})" if percent else f"{vs['mean_diff']:+.2f} pt{ci}"
             lines.append(f"| {link} | {label} | {r['ratio']:.3f}× | {r['step_peak_ratio']:.3f}× | {r['mean']:{f}}{std} "
                          f"({len(r['seeds'])}) | {diff} |")
