@@ -509,7 +509,8 @@ def converged_table(results: Path, base: Path) -> list[str]:
         summary = json.loads(path.read_text())
         rows = {r["config"]: r for budget in summary["budgets"].values() for r in budget["rows"]}
         stock, percent = summary["stock"], summary["layout"]["lower_is_better"]
-        link = f"[{trained}]({rel(results / folder / 'summary.md', base)}); stock {stock['mean']:{'.3f' if percent else '.2f'}} ± {stock['std']:{'.3f' if percent else '.2f'}} ({len(stock['seeds'])})"
+        f = ".3f" if percent else ".2f"  # a perplexity near 3 moves in its third digit
+        link = f"[{trained}]({rel(results / folder / 'summary.md', base)}); stock {stock['mean']:{f}} ± {stock['std']:{f}} ({len(stock['seeds'])})"
         missing = [config for config in shown if config not in rows]
         if missing:
             pending.append(f"{trained}: {', '.join(f'`{c}`' for c in missing)} still training")
@@ -517,7 +518,6 @@ def converged_table(results: Path, base: Path) -> list[str]:
             if config not in rows:
                 continue
             r, vs = rows[config], rows[config]["vs_stock"]
-            f = ".3f" if percent else ".2f"  # a perplexity near 3 moves in its third digit
             std = f" ± {r['std']:{f}}" if len(r["seeds"]) > 1 else ""
             lo, hi = vs["ci95"]
             n = len(vs["seeds"])  # two seeds' bootstrap interval is just their range: say so

@@ -239,10 +239,11 @@ def markdown(result: dict, layout: dict, reports: dict[str, str | None] | None =
     """summary.md; ``reports``: each search's report.md (by its folder), shown after the searches' table."""
     label, scale = layout["label"], float(layout["scale"])
     better = "lower is better" if layout["lower_is_better"] else "higher is better"
+    percent = "; vs stock: also in % of stock's mean over the same seeds" if layout["lower_is_better"] else ""
     lines = [f"# {layout['title']}", "",
              f"Schedule: {result.get('schedule', 'unknown')}. Every configuration on the same seeds (paired); "
              f"{label}: {better}; p: two-sided paired t-test; 95% CI: bootstrap interval of the mean paired "
-             f"difference (seeds resampled){'; vs stock: also in % of stock' + chr(39) + 's mean over the same seeds' if layout['lower_is_better'] else ''}; step peak: the whole training step's peak over stock's; min/epoch: the "
+             f"difference (seeds resampled){percent}; step peak: the whole training step's peak over stock's; min/epoch: the "
              f"median epoch as measured on a machine shared with other runs (not a speed comparison: "
              f"benchmarks/speed.py times steps). Commands: {layout['command']}.", ""]
     if result.get("shared_runs"):

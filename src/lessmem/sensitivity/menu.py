@@ -262,7 +262,7 @@ class MenuResult:
         if choice is None:
             return None, least
         rerun_items = [i for i in self.items if i.name in inside]
-        chosen = {i.name: rerun_option(i) for i in rerun_items}
+        chosen = {i.name: _rerun_option(i) for i in rerun_items}
         rerun = sum(_additive(i, criterion)[i.index(chosen[i.name])] * (weights or {}).get(i.name, 1.0) for i in rerun_items)
         for members, options, j in zip(units, unit_options, choice, strict=True):
             for m in members:
@@ -372,7 +372,7 @@ class MenuResult:
         return paths
 
 
-def rerun_option(item: MenuItem) -> str:
+def _rerun_option(item: MenuItem) -> str:
     """The option a recomputed region's ``item`` stores for its rerun's backward: ``RERUN_STORAGE``
     (with its BatchNorm's for a BatchNorm x conv item) where offered, else its exact option."""
     option = joint_option(RERUN_STORAGE, RERUN_STORAGE) if item.kind == JOINT_KIND else RERUN_STORAGE
