@@ -26,7 +26,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lessmem.core import FROM_NORM, CompressionPlan
-from lessmem.sensitivity import CRITERIA, DEFAULT_CRITERION, JOINT_KIND, MenuItem, MenuResult
+from lessmem.sensitivity import (
+    CRITERIA,
+    DEFAULT_CRITERION,
+    JOINT_KIND,
+    MenuItem,
+    MenuResult,
+    ScoredPlan,
+)
 from lessmem.sensitivity.items import split_joint
 
 
@@ -103,8 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         choice = source.make_map(float(budget), criterion, max_step_ratio=max_step)
         score = result.score(choice.plan)
         name = f"{criterion}_{budget}" + "".join(f"_{s.replace('=', '')}" for s in suffixes)
-        recomputed = (f"; {len(choice.plan.recompute)} regions recomputed, reruns predicted to add {score['step_ratio'] - 1:.0%} of a step"
-                      if choice.plan.recompute else "")
+        recomputed = ScoredPlan(choice.plan, score).reruns_note()
         comment = (f"least {criterion} within {budget} x stock saved bytes ({narrowing[0] if narrowing else 'whole'} menu"
                    f"{f', step within {max_step:g}x' if steps else ''}), from {args.menu}\npredicted ratio "
                    f"{score['ratio']:.3f}; " + ", ".join(f"{c} {score[c]:.4g}" for c in ("grad_error", "cosine", "loss_change"))

@@ -52,7 +52,7 @@ from lessmem.models import build_model
 from lessmem.reporting import plot_batch_plan
 from lessmem.sensitivity import budget_profile, format_bytes, parse_bytes, plan_batches
 from lessmem.sensitivity.exact_fit import forward_seconds, region_candidates
-from lessmem.sensitivity.fit import STATIC_CATEGORIES
+from lessmem.sensitivity.fit import AUTO_STEP_RATIO, STATIC_CATEGORIES
 
 MIB = 2**20
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
@@ -167,6 +167,8 @@ def main() -> None:
     p.add_argument("--plot-exact", nargs="+", metavar="CSV", help="plot exact views' CSVs side by side (--plot) and stop")
     p.add_argument("--baselines-only", action="store_true",
                    help="the exact view's checkpoint and compiled columns alone (lessmem's fits not run)")
+    p.add_argument("--max-step-ratio", type=float, default=AUTO_STEP_RATIO,
+                   help="lessmem.fit's time allowance (lossy: reruns of recomputed regions; 1: codes only)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (peaks: max_memory_allocated there)")
     p.add_argument("--clock", choices=tuple(CLOCKS), default="cpu",
                    help="the exact view's step clock on the CPU: process CPU time (steadier on a shared machine) or wall")
@@ -196,13 +198,15 @@ def main() -> None:
     for i in range(args.budgets):
         budget = int(profile.stock_peak - (profile.stock_peak - profile.floor_peak) * (i + 0.5) / args.budgets)
         t0 = time.perf_counter()
-        choice = lessmem.fit(model, batch, budget, optimizer=sgd, loss_fn=loss_fn)
+        choice = lessmem.fit(model, batch, budget, optimizer=sgd, loss_fn=loss_fn, max_step_ratio=args.max_step_ratio)
         t_fit = time.perf_counter() - t0
-        net = lessmem.compress(copy.deepcopy(model).train(), choice)
+        net = lessmem.compress(copy.deepcopy(model).train(), choice.plan)
         row = {"budget": budget, "budget_mib": budget / MIB, "lessmem_peak_mib": choice.step_peak_bytes / MIB,
                "lessmem_predicted_mib": choice.predicted_peak_bytes / MIB,
                "lessmem_step_s": step_time(net, batch, loss_fn, args.steps),
-               "lessmem_grad_error": choice.score.get("grad_error", 0.0), "fit_s": t_fit, "verified": choice.verified,
+               "lessmem_grad_error": choice.score.get("grad_error", 0.0),
+               "lessmem_tensor_error": choice.score.get("tensor_error", 0.0), "recomputed": len(choice.plan.recompute),
+               "fit_step_ratio": choice.step_time_ratio or "", "fit_s": t_fit, "verified": choice.verified,
                "known": int(choice.known)}
         if not args.no_compile:
             fraction = min(1.0, max(0.0, (budget - static) / (profile.stock_peak - static)))
@@ -217,7 +221,7 @@ def main() -> None:
     for row in rows if args.fresh_all else [max(rows, key=lambda r: r["fit_s"])]:
         os.environ["LESSMEM_CACHE"] = tempfile.mkdtemp()
         t0 = time.perf_counter()
-        choice = lessmem.fit(model, batch, row["budget"], optimizer=sgd, loss_fn=loss_fn)
+        choice = lessmem.fit(model, batch, row["budget"], optimizer=sgd, loss_fn=loss_fn, max_step_ratio=args.max_step_ratio)
         t_choice = time.perf_counter() - t0
         t_after = step_time(copy.deepcopy(model).train(), batch, loss_fn, args.steps)
         row.update(choice_s=t_choice, choice_steps=t_choice / t_after, choice_peak_mib=choice.step_peak_bytes / MIB)
@@ -304,7 +308,8 @@ def exact(model: nn.Module, batch, loss_fn, args: argparse.Namespace) -> None:
             row["exact"] = row["lossy"] = NOT_MEASURED
         for fidelity in () if args.baselines_only else ("exact", "lossy"):
             try:
-                fitted = lessmem.fit(model, batch, budget, optimizer=sgd, loss_fn=loss_fn, fidelity=fidelity)
+                fitted = lessmem.fit(model, batch, budget, optimizer=sgd, loss_fn=loss_fn, fidelity=fidelity,
+                                     max_step_ratio=args.max_step_ratio)
             except lessmem.sensitivity.NoFit as e:
                 row[fidelity] = str(e)
                 continue
@@ -312,6 +317,9 @@ def exact(model: nn.Module, batch, loss_fn, args: argparse.Namespace) -> None:
             grads = grads_of(timed[fidelity], batch, loss_fn)  # before the timed steps move the weights
             row.update({f"{fidelity}_peak_ratio": fitted.step_peak_bytes / stock_peak,
                         f"{fidelity}_max_rel_grad_error": max_relative_error(grads, reference)})
+            if fidelity == "lossy":
+                row.update(lossy_tensor_error=fitted.score.get("tensor_error", 0.0),
+                           lossy_recomputed=len(fitted.plan.recompute))
             if fidelity == "exact":
                 row.update(exact_fit_step_ratio=fitted.step_time_ratio,
                            exact_max_elementwise_error=max_elementwise_error(grads, reference),
@@ -352,7 +360,7 @@ def exact_table(rows: list[dict]) -> str:
 
     lines = ["| budget | exact peak | exact step | exact grad error | regions | checkpoint peak | checkpoint step "
              "| checkpoint units | compiled fraction | compiled peak | compiled step | compiled grad error "
-             "| lossy peak | lossy step | lossy grad error |", "|" + "---:|" * 15]
+             "| lossy peak | lossy step | lossy grad error | lossy regions |", "|" + "---:|" * 16]
     for r in rows:
         exact_peak = cell(r, "exact_peak_ratio")
         if not exact_peak and (floor := re.search(r"peaks at ([\d.]+)MiB", r.get("exact", ""))):
@@ -367,7 +375,7 @@ def exact_table(rows: list[dict]) -> str:
                      f"| {cell(r, 'compile_fraction', '.2f')} | {cell(r, 'compile_peak_ratio')} "
                      f"| {cell(r, 'compile_step_ratio', '.2f', 'x')} | {cell(r, 'compile_max_rel_grad_error', '.1e')} "
                      f"| {lossy_peak} | {cell(r, 'lossy_step_ratio', '.2f', 'x')} "
-                     f"| {cell(r, 'lossy_max_rel_grad_error', '.1e')} |")
+                     f"| {cell(r, 'lossy_max_rel_grad_error', '.1e')} | {r.get('lossy_recomputed', '')} |")
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import lessmem
 from lessmem.cli.train import train_main
@@ -17,7 +18,7 @@ from lessmem.experiment import run
 from lessmem.models import build_model
 from lessmem.sensitivity import NoFit, budget_profile, format_bytes, parse_bytes, plan_batches
 from lessmem.sensitivity.exact_fit import exact_ladder
-from lessmem.sensitivity.fit import menu_samples
+from lessmem.sensitivity.fit import _Stepper, menu_samples
 
 
 def sgd(params):
@@ -208,3 +209,49 @@ def test_auto_fidelity_takes_the_lossy_plan_past_the_step_ratio(setup) -> None:
     model, batch, stock = setup
     fitted = lessmem.fit(model, batch, int(0.75 * stock), optimizer=sgd, fidelity="auto", max_step_ratio=0.0)
     assert fitted.fidelity == "lossy" and fitted.step_peak_bytes <= 0.75 * stock
+
+
+
+def _tiny_lm(hidden: int, intermediate: int, seq: int, batch: int) -> tuple[torch.nn.Module, tuple, dict]:
+    torch.manual_seed(0)
+    model = build_model("tiny_llama", num_classes=64, hidden_size=hidden, intermediate_size=intermediate,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4).train()
+    data = (torch.randint(0, 64, (batch, seq)), torch.randint(0, 64, (batch, seq)))
+    return model, data, {"optimizer": sgd, "loss_fn": lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())}
+
+
+def test_lossy_fit_recomputes_layers_within_the_measured_step_ratio(monkeypatch, caplog) -> None:
+    """fidelity=lossy, max_step_ratio > 1: decoder layers recomputed (int8 codes inside their rerun)
+    where that lowers the error; the chosen map's step is measured; a step over max_step_ratio makes
+    the search choose again with fewer reruns (here: codes only); max_step_ratio=1: codes only."""
+    model, batch, settings = _tiny_lm(32, 64, 128, 8)
+    budget = int(1.2 * budget_profile(model, batch, **settings).floor_peak)
+    codes = lessmem.fit(model, batch, budget, max_step_ratio=1.0, **settings)
+    fitted = lessmem.fit(model, batch, budget, max_step_ratio=10.0, **settings)
+    assert not codes.plan.recompute and codes.step_time_ratio is None
+    assert fitted.plan.recompute and fitted.step_peak_bytes <= budget
+    assert fitted.score["tensor_error"] < 0.1 * codes.score["tensor_error"]
+    assert fitted.step_time_ratio is not None and fitted.record()["budget_step_time_ratio"] == fitted.step_time_ratio
+    monkeypatch.setattr(_Stepper, "time_ratio", lambda self, plan, repeats=3: 20.0)
+    with caplog.at_level(logging.INFO, logger="lessmem.sensitivity.fit"):
+        slow = lessmem.fit(model, batch, budget, max_step_ratio=1.5, **settings)
+    assert "the map's step takes 20.00x stock's" in caplog.text and "reruns within" in caplog.text
+    assert not slow.plan.recompute and slow.step_time_ratio is None and slow.step_peak_bytes <= budget
+
+
+@pytest.mark.slow
+def test_recomputed_layers_reach_below_the_codes_floor(monkeypatch, caplog) -> None:
+    """Below every codes-only map's peak, recomputed layers fit; where a shorter rerun allowance
+    then fits nothing, the slower map stays, said in a warning."""
+    model, batch, settings = _tiny_lm(64, 128, 256, 16)
+    profile = budget_profile(model, batch, **settings)
+    budget = int(0.97 * profile.floor_peak)
+    with pytest.raises(NoFit, match="no map fits"):
+        lessmem.fit(model, batch, budget, max_step_ratio=1.0, **settings)
+    fitted = lessmem.fit(model, batch, budget, max_step_ratio=10.0, **settings)
+    assert fitted.plan.recompute and fitted.step_peak_bytes <= budget and fitted.floor_step_peak_bytes <= budget
+    monkeypatch.setattr(_Stepper, "time_ratio", lambda self, plan, repeats=3: 20.0)
+    with caplog.at_level(logging.INFO, logger="lessmem.sensitivity.fit"):
+        slow = lessmem.fit(model, batch, budget, max_step_ratio=10.0, **settings)
+    assert "keeping the one whose step takes 20.00x" in caplog.text
+    assert slow.plan.recompute and slow.step_time_ratio == 20.0 and slow.step_peak_bytes <= budget

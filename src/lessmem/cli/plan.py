@@ -53,13 +53,13 @@ def _plan(cfg: DictConfig) -> None:
                 print(f"| {r.name} | {r.saved_bytes / MiB:.1f} | {1000 * r.seconds:.1f} | "
                       f"{'yes' if r.name in fitted.plan.recompute else 'no'} |")
     print("lossy maps by batch size (predicted):")
-    print("| batch | fits | predicted peak MiB | of budget | predicted grad error | cosine |")
-    print("|---:|---|---:|---:|---:|---:|")
+    print("| batch | fits | predicted peak MiB | of budget | predicted grad error | cosine | reruns' step |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:
         err = "" if r.grad_error is None else f"{r.grad_error:.3g}"
         cos = "" if r.cosine is None else f"{r.cosine:.5f}"
         print(f"| {r.batch_size} | {'yes' if r.fits else 'no'} | {r.predicted_peak_bytes / MiB:.1f} | "
-              f"{r.predicted_peak_bytes / budget:.3f} | {err} | {cos} |")
+              f"{r.predicted_peak_bytes / budget:.3f} | {err} | {cos} | {r.reruns_step_ratio:.2f}x |")
     with open(out / "plan.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(records[0]))
         writer.writeheader()

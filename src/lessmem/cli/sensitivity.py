@@ -31,7 +31,7 @@ UNIFORM = [("2", "native"), ("4", "native"), ("int8", "native"), ("int8", "int8"
            ("int4", "int4"), ("int4", "int2"), ("2/int4", "int4")]
 
 
-def _print_menu(result: MenuResult) -> None:
+def _print_menu(result: MenuResult, max_step_ratio: float) -> None:
     joint = sum(i.kind == JOINT_KIND for i in result.items)
     print(f"items: {len(result.items)} ({sum(i.kind in MAP_KINDS for i in result.items) + joint} layer inputs, "
           f"{joint} of them choosing with their BatchNorm: from_bn), "
@@ -45,7 +45,8 @@ def _print_menu(result: MenuResult) -> None:
         print(f"  {conv:>8} {norm:>7}  {s['ratio']:6.3f}  {s['grad_error']:10.4g}  {s['cosine']:7.4f}")
     s = result.meta["chosen"]["score"]
     print(f"  {'chosen':>16}  {s['ratio']:6.3f}  {s['grad_error']:10.4g}  {s['cosine']:7.4f}")
-    print(f"least reachable saved-bytes ratio: {result.least_ratio():.4f}")
+    print(f"least reachable saved-bytes ratio: {result.least_ratio(max_step_ratio):.4f}"
+          + (f" (regions recomputed within {max_step_ratio}x stock's step)" if result.regions and max_step_ratio > 1 else ""))
 
 
 @hydra.main(config_path=str(conf_dir()), config_name="sensitivity", version_base="1.3")
@@ -60,7 +61,7 @@ def _sensitivity(cfg: DictConfig) -> None:
         timer = step_timer(cfg, int(opts.batch_size), str(opts.split), int(opts.time_steps)) if opts.time_steps else None
         _, paths = write_menu_files(result, float(opts.budget), str(opts.criterion), out,
                                     Path(str(opts.map_out)) if opts.map_out else None, float(opts.max_step_ratio), timer)
-    _print_menu(result)
+    _print_menu(result, float(opts.max_step_ratio))
     for key, p in paths.items():
         print(f"{key}: {p}")
 

@@ -19,7 +19,7 @@ from lessmem.experiment.data import fixed_batches
 from lessmem.experiment.probes import first_batch
 from lessmem.experiment.runtime import PRECISIONS, resolve_device, seed_everything
 from lessmem.experiment.spec import OptimSpec, RunSpec, model_spec, resolve_run
-from lessmem.experiment.task import task_of
+from lessmem.experiment.task import Task, task_of
 from lessmem.sensitivity import (
     BudgetFit,
     PlanRow,
@@ -43,7 +43,7 @@ def choose_for_budget(model: nn.Module, batch: tuple[Tensor, Tensor], spec: RunS
         log.warning("lessmem: memory_budget=%s replaces compression %r: the map is the one chosen for the budget",
                     budget, spec.plan.label)
     net, on_device, settings = _as_measured(model, batch, spec)
-    fitted = fit(net, on_device, budget, fidelity=spec.fidelity, **settings)
+    fitted = fit(net, on_device, budget, fidelity=spec.fidelity, max_step_ratio=spec.budget_step_ratio, **settings)
     plan = fitted.plan
     if fitted.stock:
         log.warning("lessmem: stock already fits memory_budget=%s at batch %d (whole-step peak %s): training stock",
@@ -71,8 +71,10 @@ def plan_for_config(cfg: DictConfig, factors: tuple[float, ...]) -> tuple[RunSpe
     model = spec.model.build()  # before the loaders, as in training: the same initial weights
     _, val_loader = spec.data.loaders(spec.seed, spec.ddp)
     net, on_device, settings = _as_measured(model, first_batch(val_loader, spec.data.batch_size), spec)
-    fitted = None if spec.fidelity == "lossy" else fit(net, on_device, budget, fidelity=spec.fidelity, **settings)
-    return spec, budget, plan_batches(budget_profile(net, on_device, **settings), budget, factors), fitted
+    fitted = None if spec.fidelity == "lossy" else fit(net, on_device, budget, fidelity=spec.fidelity,
+                                                       max_step_ratio=spec.budget_step_ratio, **settings)
+    rows = plan_batches(budget_profile(net, on_device, **settings), budget, factors, max_step_ratio=spec.budget_step_ratio)
+    return spec, budget, rows, fitted
 
 
 def step_timer(cfg: DictConfig, batch_size: int, split: str, repeats: int) -> Callable[[CompressionPlan], float]:
@@ -87,9 +89,8 @@ def step_timer(cfg: DictConfig, batch_size: int, split: str, repeats: int) -> Ca
     model = model_spec(cfg.model).build().to(device, memory_format=layout)
     x, y = fixed_batches(cfg.dataset, 1, batch_size, split, seed)[0]
     batch = (x.to(device), y.to(device))
-    optimizer = OptimSpec(OmegaConf.to_container(cfg.optimizer, resolve=True), {}).optimizer_for
-    settings = {"optimizer": optimizer, "loss_fn": task_of(cfg).criterion,
-                "amp_dtype": PRECISIONS[str(cfg.get("precision", "fp32"))]}
+    settings = _step_settings(OptimSpec(OmegaConf.to_container(cfg.optimizer, resolve=True), {}), task_of(cfg),
+                              str(cfg.get("precision", "fp32")))
     return lambda plan: step_time_ratio(model, batch, plan, repeats=repeats, **settings)
 
 
@@ -99,6 +100,10 @@ def _as_measured(model: nn.Module, batch: tuple[Tensor, Tensor],
     (optimizer, loss, autocast dtype) ``fit`` / ``budget_profile`` measure with: one definition,
     so ``lessmem-plan`` and ``lessmem-train memory_budget=`` measure alike and share a cache entry."""
     net = copy.deepcopy(model).to(spec.device, memory_format=spec.memory_format)
-    settings = {"optimizer": spec.optim.optimizer_for,
-                "loss_fn": spec.task.criterion, "amp_dtype": PRECISIONS[spec.precision]}
-    return net, (batch[0].to(spec.device), batch[1].to(spec.device)), settings
+    return net, (batch[0].to(spec.device), batch[1].to(spec.device)), _step_settings(spec.optim, spec.task, spec.precision)
+
+
+def _step_settings(optim: OptimSpec, task: Task, precision: str) -> dict[str, Any]:
+    """The training step's settings ``lessmem.fit`` and ``step_time_ratio`` take: optimizer factory,
+    loss, autocast dtype."""
+    return {"optimizer": optim.optimizer_for, "loss_fn": task.criterion, "amp_dtype": PRECISIONS[precision]}

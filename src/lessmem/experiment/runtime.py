@@ -60,6 +60,8 @@ def validate(cfg: DictConfig, device: torch.device) -> None:
         parse_bytes(str(cfg.memory_budget))  # a bad size fails here, before any data is read
     if cfg.get("fidelity", "lossy") not in FIDELITIES:
         raise ValueError(f"fidelity={cfg.fidelity}: choose one of {', '.join(FIDELITIES)}")
+    if float(cfg.budget_step_ratio) < 1:
+        raise ValueError(f"budget_step_ratio must be >= 1 (a step time over stock's; 1: no reruns), got {cfg.budget_step_ratio}")
     adaptive = cfg.get("adaptive") or {}
     if int(adaptive.get("start") or 0) < 0:
         raise ValueError(f"adaptive.start must be >= 0 (the epoch of the first re-choice), got {adaptive.get('start')}")

@@ -115,6 +115,7 @@ class RunSpec:
     plan_given: str  # what the user wrote for it (a preset, its changed entries, a map file): errors name it
     memory_budget: str | None  # e.g. "6GiB": the plan comes from lessmem.fit at the batch size
     fidelity: str  # the options lessmem.fit may use for memory_budget: exact | lossy | auto
+    budget_step_ratio: float  # memory_budget's time allowance: lessmem.fit's max_step_ratio
     adaptive: AdaptiveSpec
     log: LogSpec
     precision: str
@@ -196,7 +197,7 @@ def resolve_run(cfg: DictConfig) -> RunSpec:
         optim=OptimSpec(dict(config["optimizer"]), dict(config["scheduler"])),
         plan=plan, plan_given=plan_given,
         memory_budget=None if cfg.get("memory_budget") is None else str(cfg.memory_budget),
-        fidelity=str(cfg.get("fidelity") or "lossy"),
+        fidelity=str(cfg.get("fidelity") or "lossy"), budget_step_ratio=float(cfg.budget_step_ratio),
         adaptive=AdaptiveSpec(every=int(acfg.get("every") or 0), start=int(acfg.get("start") or 0),
                               budget=float(acfg.get("budget", 1.0)),
                               probe_batch=int(acfg.get("probe_batch", 32)),

@@ -16,23 +16,25 @@ class PlanRow:
     predicted_peak_bytes: float  # the best map's (the floor's when nothing fits)
     grad_error: float | None  # its whole-gradient error; None when nothing fits
     cosine: float | None
+    reruns_step_ratio: float = 1.0  # its recomputed regions' predicted step over stock's (1: none)
 
 
 def plan_batches(profile: BudgetProfile, budget_bytes: float, factors: tuple[float, ...] = (1, 1.5, 2, 3, 4, 6, 8),
-                 criterion: str = DEFAULT_CRITERION) -> list[PlanRow]:
-    """Batch sizes from stock's largest within ``budget_bytes`` up to 8x it."""
+                 criterion: str = DEFAULT_CRITERION, max_step_ratio: float = 1.0) -> list[PlanRow]:
+    """Batch sizes from stock's largest within ``budget_bytes`` up to 8x it; regions recomputed as
+    the menu predicts ``max_step_ratio`` allows (``lessmem.fit`` measures the chosen map's step)."""
     assert profile.menu is not None and profile.floor_map is not None
     stock_largest = max(1, largest_batch(profile.peaks, profile.menu.stock_bytes, profile.batch_size, budget_bytes))
     rows = []
     for batch in sorted({max(1, round(stock_largest * f)) for f in factors}):
         scale = batch / profile.batch_size
         peaks, menu = profile.peaks.at_batch(scale), scaled_menu(profile.menu, scale)
-        floor = smallest_map(menu, criterion)
+        floor = smallest_map(menu, criterion, max_step_ratio)
         if peaks.predict(floor.score["bytes"]) > budget_bytes:
             rows.append(PlanRow(batch, False, peaks.predict(floor.score["bytes"]), None, None))
             continue
         target = max(peaks.saved_for(AIM * budget_bytes), floor.score["bytes"])  # as fit() aims
-        choice = menu.make_map(min(target, menu.stock_bytes), criterion)
+        choice = menu.make_map(min(target, menu.stock_bytes), criterion, max_step_ratio=max_step_ratio)
         rows.append(PlanRow(batch, True, peaks.predict(choice.score["bytes"]), choice.score["grad_error"],
-                            choice.score["cosine"]))
+                            choice.score["cosine"], choice.score.get("step_ratio", 1.0)))
     return rows

@@ -15,8 +15,11 @@ smallest map (the floor: above the budget, nothing fits) and of a map near the b
 between them; from those measured steps a ``PeakModel`` predicts a map's peak from its saved
 bytes, the knapsack picks the map of least criterion whose predicted peak is ``AIM`` (0.96) of the
 budget, and one real step verifies it; a map over the budget adds its point to the model and the next pick is
-tighter. The menu and every measured
-point are cached per model, batch, optimizer, precision and device (a json file).
+tighter. With ``max_step_ratio`` > 1 the knapsack may also recompute the model's blocks (int8 codes inside
+their rerun) where that lowers the criterion: such a map is verified alike (its peak kept apart from the
+model), its step timed against stock's, and over ``max_step_ratio`` the search runs again with fewer
+reruns. The menu and every measured point are cached per model, batch, optimizer, precision and device
+(a json file).
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ from lessmem.core import (
 )
 from lessmem.sensitivity.byte_sizes import format_bytes, parse_bytes
 from lessmem.sensitivity.exact_fit import RegionCost, exact_ladder, fastest_fitting
-from lessmem.sensitivity.items import shared_options
 from lessmem.sensitivity.menu import CRITERIA, DEFAULT_CRITERION, MenuResult, ScoredPlan
 from lessmem.sensitivity.menu_measure import measure_menu
 from lessmem.sensitivity.menu_options import MenuOptions
@@ -63,8 +65,12 @@ LossFn = Callable[[Tensor, Tensor], Tensor]
 # BatchNorm / GELU / SiLU inputs and saved-tensor regions (a transformer's attention, gated MLP
 # product, RMSNorm: without them a LoRA-tuned 135M Llama's floor kept 0.46x of stock's saved bytes):
 # int8 and int2, one probe pass each.
+# The model's blocks and runs of layers as recompute options too: freeing a region's internals buys
+# finer codes elsewhere (the tiny Llama at 0.35x of stock's step: codes alone summed a tensor error of
+# 0.27).
 FIT_MENU = MenuOptions(kernels=(1, 2, 4), storages=("native", "bf16", "int8", "int4", "int2"),
-                       norm_storages=("int8", "int2"), act_storages=("int8", "int2"), saved_storages=("int8", "int2"))
+                       norm_storages=("int8", "int2"), act_storages=("int8", "int2"), saved_storages=("int8", "int2"),
+                       recompute=True)
 # The menu is measured on a sub-batch of 1/MENU_FRACTION of the batch (1 to MENU_MAX_SAMPLES samples),
 # its bytes scaled to the whole batch: each lossy probe is a forward/backward, so on the whole batch
 # the menu alone would cost tens of training steps.
@@ -81,6 +87,9 @@ AIM = 0.96
 
 # Maps tried (each verified by a real step unless measured before) before a choice is taken as is.
 MAX_TRIED = 4
+FLOOR_ROOM = 1.01  # the floor map's budget over the least bytes: the knapsack rounds each option's bytes up
+# Searches a lossy fit makes with fewer reruns when the chosen map's measured step exceeds max_step_ratio.
+MAX_TIMED = 4
 FIDELITIES = ("exact", "lossy", "auto")
 # fidelity="auto": the exact plan while its step takes at most this many times stock's.
 AUTO_STEP_RATIO = 1.25
@@ -109,7 +118,7 @@ class BudgetFit:
     verified: int = 0  # maps measured by a real step in this search
     known: bool = False  # the chosen map's peak was measured before this search: its prediction is that measurement
     fidelity: str = "lossy"  # the options the plan was chosen from ("exact" or "lossy")
-    step_time_ratio: float | None = None  # measured step time over stock's (exact plans; median of TIMED_STEPS)
+    step_time_ratio: float | None = None  # measured step time over stock's (exact plans, lossy ones recomputing regions; median of TIMED_STEPS)
     regions: tuple[RegionCost, ...] = ()  # exact plans: every recomputable region's measured bytes and seconds
 
     def record(self) -> dict[str, Any]:
@@ -131,6 +140,9 @@ class BudgetProfile:
     floor_map: ScoredPlan | None = None
     floor_peak: int | None = None
     peaks: PeakModel = field(default_factory=PeakModel)
+    # Measured peaks of maps recomputing regions, by plan: kept out of the peak model, which they
+    # would bend (a rerun's transient and the codes' it replaces do not follow the saved bytes).
+    rerun_peaks: dict[str, int] = field(default_factory=dict)
 
 
 class NoFit(ValueError):
@@ -147,7 +159,9 @@ def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | floa
     compresses nothing. Nothing fits:
     ``NoFit`` (a ValueError) naming the smallest peak the menu reaches and the largest batch
     that fits. ``model`` is not changed (measured on copies); measurements are cached in
-    ``~/.cache/lessmem/budget`` (``$LESSMEM_CACHE/budget``). ``fidelity``: the module docstring."""
+    ``~/.cache/lessmem/budget`` (``$LESSMEM_CACHE/budget``). ``fidelity`` and ``max_step_ratio`` (a
+    measured step over stock's: auto's bound for the exact plan, lossy's for recomputed regions; 1:
+    codes only): the module docstring."""
     if fidelity not in FIDELITIES:
         raise ValueError(f"fidelity {fidelity!r}: choose one of {', '.join(FIDELITIES)}")
     budget_bytes = parse_bytes(budget)
@@ -170,34 +184,82 @@ def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | floa
     if profile.menu is None:
         _measure_floor(profile, step, batch, loss_fn, criterion)
         _save(cache_file, profile)
+    allow, found, verified = max_step_ratio, None, 0
+    for _ in range(MAX_TIMED):
+        try:
+            search = _least_error_fitting(profile, step, cache_file, budget_bytes, criterion, allow)
+        except NoFit:
+            if found is None:
+                raise
+            log.warning("lessmem.fit: no map fits with fewer reruns; keeping the one whose step takes %.2fx stock's "
+                        "(max_step_ratio %s)", found[1], max_step_ratio)
+            break
+        verified += search.verified
+        ratio = step.time_ratio(search.chosen.plan) if search.chosen.plan.recompute else None
+        found = (search, ratio)
+        if ratio is None or ratio <= max_step_ratio:
+            break
+        # The menu predicts the reruns' forwards alone; the codes and the rerun's own storage cost
+        # time too: shrink the reruns' allowance by the measured overrun and choose again.
+        predicted_ratio = search.chosen.score["step_ratio"]
+        allow = 1 + (predicted_ratio - 1) * max(max_step_ratio - 1, 0) / (ratio - 1)
+        log.info("lessmem.fit: the map's step takes %.2fx stock's (reruns predicted %.2fx, max_step_ratio %s): "
+                 "reruns within %.3fx", ratio, predicted_ratio, max_step_ratio, allow)
+    assert found is not None
+    search, ratio = found
+    chosen = search.chosen
+    base["floor_step_peak_bytes"] = search.floor_peak
+    return BudgetFit(chosen.plan.replace(name=name, source="memory_budget"), predicted_peak_bytes=search.predicted,
+                     step_peak_bytes=search.measured, saved_bytes=int(chosen.score["bytes"]), score=chosen.score,
+                     verified=verified, known=search.known, step_time_ratio=ratio, **base)
+
+
+@dataclass(frozen=True)
+class _Search:
+    """The map a budget search chose, its predicted and measured peaks, the floor it searched above."""
+
+    chosen: ScoredPlan
+    predicted: int
+    measured: int
+    known: bool  # measured before this search
+    floor_peak: int
+    verified: int  # maps measured by a real step in this search
+
+
+def _least_error_fitting(profile: BudgetProfile, step: _Stepper, cache_file: Path, budget_bytes: int,
+                         criterion: str, max_step_ratio: float) -> _Search:
+    """The map of least ``criterion`` whose measured step peak fits ``budget_bytes``, regions
+    recomputed as the menu predicts ``max_step_ratio`` allows: the peak model aims, a real step verifies."""
     assert profile.menu is not None and profile.floor_map is not None and profile.floor_peak is not None
-    base["floor_step_peak_bytes"] = profile.floor_peak
-    if profile.floor_peak > budget_bytes:
+    floor_map, floor_peak, verified = profile.floor_map, profile.floor_peak, 0
+    least = profile.menu.least_bytes() * FLOOR_ROOM  # the knapsack's room above the floor (smallest_map)
+    ladder_floor = smallest_map(profile.menu, criterion, max_step_ratio)
+    if ladder_floor.score["bytes"] < floor_map.score["bytes"]:  # recomputed regions reach lower
+        peak, known = _measured_peak(profile, step, ladder_floor)
+        verified += not known
+        _save(cache_file, profile)
+        if peak < floor_peak:
+            floor_map, floor_peak = ladder_floor, peak
+            least = profile.menu.least_bytes(max_step_ratio) * FLOOR_ROOM
+    if floor_peak > budget_bytes:
         raise NoFit(f"no map fits memory budget {format_bytes(budget_bytes)} at batch {profile.batch_size}: "
-                    f"the smallest whole-step peak the menu reaches is {format_bytes(profile.floor_peak)} "
+                    f"the smallest whole-step peak the menu reaches is {format_bytes(floor_peak)} "
                     f"(stock {format_bytes(profile.stock_peak)}); the largest batch that fits is about "
-                    f"{largest_batch(profile.peaks, profile.floor_map.score['bytes'], profile.batch_size, budget_bytes)}")
-    least = profile.floor_map.score["bytes"]
+                    f"{largest_batch(profile.peaks, floor_map.score['bytes'], profile.batch_size, budget_bytes)}")
     best: tuple[ScoredPlan, int, int, bool] | None = None  # (map, predicted, measured, known) that fits
     tried: set[float] = set()
-    verified = 0
     aim = AIM * budget_bytes
     target = profile.peaks.saved_for(aim)
     while len(tried) < MAX_TRIED:
-        choice = profile.menu.make_map(max(target, least), criterion)
+        choice = profile.menu.make_map(max(target, least), criterion, max_step_ratio=max_step_ratio)
         saved = choice.score["bytes"]
         if saved in tried:
             break
         tried.add(saved)
         predicted = int(profile.peaks.predict(saved))
-        measured = dict(profile.peaks.points).get(saved)  # a map already measured needs no step
-        known = measured is not None
-        if measured is None:
-            measured = step.peak(choice.plan).peak_bytes
-            verified += 1
-            profile.peaks.add(saved, measured)
-            _save(cache_file, profile)
-        measured = int(measured)
+        measured, known = _measured_peak(profile, step, choice)
+        verified += not known
+        _save(cache_file, profile)
         log.info("lessmem.fit: map saving %s: step peak %s (predicted %s, budget %s)%s", format_bytes(saved),
                  format_bytes(measured), format_bytes(predicted), format_bytes(budget_bytes),
                  " [measured before]" if known else "")
@@ -210,11 +272,23 @@ def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | floa
         else:  # tighter: below this map's bytes by at least its overshoot
             target = min(profile.peaks.saved_for(aim), saved - (measured - budget_bytes))
     if best is None:  # the floor was measured and fits
-        best = (profile.floor_map, profile.floor_peak, profile.floor_peak, True)
-    chosen, predicted, measured, known = best
-    return BudgetFit(chosen.plan.replace(name=name, source="memory_budget"), predicted_peak_bytes=predicted,
-                     step_peak_bytes=measured, saved_bytes=int(chosen.score["bytes"]), score=chosen.score,
-                     verified=verified, known=known, **base)
+        best = (floor_map, floor_peak, floor_peak, True)
+    return _Search(*best, floor_peak=floor_peak, verified=verified)
+
+
+def _measured_peak(profile: BudgetProfile, step: _Stepper, choice: ScoredPlan) -> tuple[int, bool]:
+    """(``choice``'s whole-step peak, whether it was measured before): a map measured before needs
+    no step; a new one is measured and kept (a codes-only map as a point of the peak model)."""
+    saved, key = choice.score["bytes"], json.dumps(choice.plan.to_dict(), sort_keys=True)
+    measured = profile.rerun_peaks.get(key) if choice.plan.recompute else dict(profile.peaks.points).get(saved)
+    if measured is not None:
+        return int(measured), True
+    peak = step.peak(choice.plan).peak_bytes
+    if choice.plan.recompute:
+        profile.rerun_peaks[key] = peak
+    else:
+        profile.peaks.add(saved, peak)
+    return int(peak), False
 
 
 def _fit_exact(step: _Stepper, batch: tuple[Tensor, Tensor], budget_bytes: int, name: str, base: dict[str, Any],
@@ -332,15 +406,10 @@ def scaled_menu(menu: MenuResult, factor: float) -> MenuResult:
     return MenuResult.from_dict(d)
 
 
-def smallest_map(menu: MenuResult, criterion: str = DEFAULT_CRITERION) -> ScoredPlan:
-    """The map of least saved bytes (least ``criterion`` among maps within 1% of it: the
-    knapsack's rounding needs that room)."""
-    items = {i.name: i for i in menu.items}
-    least = float(menu.base_bytes)
-    for members in menu.unit_items().values():
-        first = items[members[0]]
-        least += min(first.nbytes[first.index(o)] for o in shared_options([items[m] for m in members]))
-    return menu.make_map(least * 1.01, criterion)
+def smallest_map(menu: MenuResult, criterion: str = DEFAULT_CRITERION, max_step_ratio: float = 1.0) -> ScoredPlan:
+    """The map of least saved bytes (regions recomputed as ``max_step_ratio`` allows), least
+    ``criterion`` among maps within 1% of it: the knapsack's rounding needs that room."""
+    return menu.make_map(menu.least_bytes(max_step_ratio) * FLOOR_ROOM, criterion, max_step_ratio=max_step_ratio)
 
 
 class _Stepper:
@@ -417,7 +486,7 @@ def _save(path: Path, profile: BudgetProfile) -> None:
     data = {"batch_size": profile.batch_size, "stock_peak": profile.stock_peak,
             "menu": profile.menu.to_dict() if profile.menu else None,
             "floor_map": profile.floor_map.to_dict() if profile.floor_map else None, "floor_peak": profile.floor_peak,
-            "points": profile.peaks.points, "static_bytes": profile.peaks.static_bytes}
+            "points": profile.peaks.points, "static_bytes": profile.peaks.static_bytes, "rerun_peaks": profile.rerun_peaks}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
     tmp.replace(path)
@@ -434,6 +503,6 @@ def _load(path: Path) -> BudgetProfile | None:
         return BudgetProfile(
             int(d["batch_size"]), int(d["stock_peak"]),
             menu, ScoredPlan.from_dict(d["floor_map"]) if d["floor_map"] else None, d["floor_peak"],
-            PeakModel([tuple(p) for p in d["points"]], float(d["static_bytes"])))
+            PeakModel([tuple(p) for p in d["points"]], float(d["static_bytes"])), dict(d["rerun_peaks"]))
     except (ValueError, KeyError, TypeError):  # a torn or older file: measure again
         return None

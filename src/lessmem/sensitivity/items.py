@@ -67,7 +67,8 @@ def shared_options(members: Sequence[MenuItem]) -> list[str]:
 @dataclass
 class RecomputeOption:
     """A region (a block, or a run of sibling layers) the menu can recompute in backward: its items
-    then keep nothing and add no error (the rerun's backward is exact), the region keeps its input.
+    then keep nothing across the step (their rerun stores ``menu.RERUN_STORAGE`` codes for the
+    region's own backward, whose error counts), the region keeps its input.
     ``delta_bytes``: what recomputing it adds to the exact-companion total beyond dropping the
     bytes of its items (its kept input, less what it keeps that no item covers); ``seconds``: its
     forward, the rerun's cost. A tensor every region saves once between them (Llama's rotary

@@ -37,7 +37,7 @@ bytes are that backward's transient only: a float32 rerun of one tiny Llama deco
 step's peak, 0.451x stock's, against 0.330x with int8 inside). ``make_map(..., max_step_ratio=r)`` tries the
 regions one more at a time (most bytes freed per second of rerun first) while the reruns' seconds stay
 within ``r`` times a stock step's (measured with the menu) and keeps the map of least criterion
-(``MIN_GAIN`` lower than the best before it): time traded for error where codes alone would have to
+(``MIN_GAIN`` and ``MIN_ABS_GAIN`` lower than the best before it): time traded for error where codes alone would have to
 go lossier. A region keeps its input at full precision, so it pays where its internals outweigh its
 input (a transformer layer's attention and 4x-wide MLP), not where codes are already a sixteenth.
 """
@@ -74,9 +74,11 @@ CRITERIA = ("grad_error", "loss_change", "cosine", "tensor_error")
 # criterion ranks accuracy alike (Spearman 0.83-0.86, within noise); at 0.08x on resnet20 the mean
 # cosine's map (1-bit BatchNorm inputs) lost 6-7 top-1 points to this one's (docs/proofs.md).
 DEFAULT_CRITERION = "tensor_error"
-# make_map spends rerun time only for a criterion at least this much lower (relative) than the
-# map with one region set fewer: not +15% step time to shave an int8 map's 1e-6.
+# make_map spends rerun time only for a criterion at least this much lower than the map with one
+# region set fewer, relative and absolute: not +15% step time to shave an int8 map's 1e-6, nor +25%
+# for a tiny Llama's 6e-5 -> 5e-5 (int8 codes' own error is some 1e-5 per item).
 MIN_GAIN = 0.1
+MIN_ABS_GAIN = 1e-3
 # What a recomputed region's items store for the region's own backward (the rerun's transient; an
 # item without it keeps its exact option): int8 codes, whose error is far below the criterion's scale
 # of interest (the 0.25x maps of int8 codes train to stock's val_ppl at convergence, docs/proofs.md).
@@ -97,6 +99,14 @@ class ScoredPlan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ScoredPlan:
         return cls(CompressionPlan.from_dict(data["plan"]), dict(data["score"]))
+
+    def reruns_note(self) -> str:
+        """A map header's words on its recomputed regions ("" without): how many, and the step time
+        their reruns are predicted to add (the codes cost time of their own)."""
+        if not self.plan.recompute:
+            return ""
+        return (f"; {len(self.plan.recompute)} regions recomputed, their reruns predicted to add "
+                f"{self.score['step_ratio'] - 1:.0%} of stock's step")
 
 
 @dataclass
@@ -163,9 +173,23 @@ class MenuResult:
     def _inside(self, regions: list[RecomputeOption]) -> set[str]:
         return {m.name for u in self._units_inside([r.name for r in regions]) for m in u}
 
-    def kept_inside(self, chosen: Mapping[str, str], names: Sequence[str]) -> int:
-        """The bytes the units wholly inside the regions ``names`` keep under ``chosen`` (item -> option)."""
-        return sum(u[0].nbytes[u[0].index(chosen[u[0].name])] for u in self._units_inside(names))
+    def kept_shares(self, names: Sequence[str]) -> dict[str, float]:
+        """Unit (its first item's name) -> the share of its bytes kept with the regions ``names``
+        recomputed: none for a unit wholly inside; for saved tensors grouped across modules (each
+        decoder layer's attention, sharing Llama's rotary table) the share of its members outside;
+        else all (a tensor several layers read stays while one of them is outside)."""
+        shares = {}
+        for u in self._units():
+            outside = sum(not in_regions(m.name, names) for m in u) if names else len(u)
+            partial = 0 < outside < len(u) and u[0].kind == "saved"
+            shares[u[0].name] = outside / len(u) if partial else float(outside > 0)
+        return shares
+
+    def kept_inside(self, chosen: Mapping[str, str], names: Sequence[str]) -> float:
+        """The bytes the regions ``names`` keep nothing of, under ``chosen`` (item -> option): their
+        units' bytes less the share kept (``kept_shares``)."""
+        shares = self.kept_shares(names)
+        return sum(u[0].nbytes[u[0].index(chosen[u[0].name])] * (1 - shares[u[0].name]) for u in self._units())
 
     def smallest_choice(self) -> dict[str, str]:
         """Item -> the option of fewest bytes its unit can choose."""
@@ -182,19 +206,20 @@ class MenuResult:
     def _score(self, chosen: Mapping[str, str], regions: list[RecomputeOption] | None = None) -> dict[str, float]:
         criteria = self.criteria
         totals = dict.fromkeys(criteria, 0.0)
-        group_options: dict[tuple[int, str], int] = {}
+        group_options: dict[tuple[int, str], float] = {}
         nbytes = self.base_bytes + sum(r.delta_bytes for r in regions or [])
-        inside = self._inside(regions or [])
+        shares = self.kept_shares([r.name for r in regions or []])
+        unit_of = {m.name: u[0].name for u in self._units() for m in u}
         for item in self.items:
             j = item.index(chosen[item.name])
             for c in criteria:
                 totals[c] += item.mean(c)[j]
-            if item.name in inside:  # rerun in backward: its storage is that backward's transient
-                continue
+            # A recomputed region's items are rerun in backward: their storage is that backward's transient.
+            kept = item.nbytes[j] * shares[unit_of[item.name]]
             if item.group is None:
-                nbytes += item.nbytes[j]
+                nbytes += kept
             else:  # a shared input keeps each distinct option once
-                group_options[(item.group, item.options[j])] = item.nbytes[j]
+                group_options[(item.group, item.options[j])] = kept
         nbytes += sum(group_options.values())
         return {**totals, "loss_change": abs(totals["loss_change"]),
                 "cosine": totals["cosine"] / max(len(self.items), 1), "bytes": float(nbytes),
@@ -222,9 +247,9 @@ class MenuResult:
         best: tuple[float, dict[str, str], list[RecomputeOption]] | None = None
         least = math.inf
         for regions in self.recompute_ladder(max_step_ratio):
-            found, smallest = self._knapsack(limit, criterion, weights, regions)
-            least = min(least, smallest)
-            if found is not None and (best is None or found[0] < (1 - MIN_GAIN) * best[0]):
+            found = self._knapsack(limit, criterion, weights, regions)
+            least = min(least, self._least(regions))
+            if found is not None and (best is None or found[0] < min((1 - MIN_GAIN) * best[0], best[0] - MIN_ABS_GAIN)):
                 best = (*found, regions)
         if best is None:
             raise ValueError(f"no map fits {limit / self.stock_bytes:.3f}x stock saved bytes; the menu's "
@@ -242,11 +267,22 @@ class MenuResult:
             ladder.append(order[:k])
         return ladder
 
+    def least_bytes(self, max_step_ratio: float = 1.0) -> float:
+        """The fewest saved bytes any map reaches, regions recomputed as ``make_map`` would."""
+        return min(self._least(regions) for regions in self.recompute_ladder(max_step_ratio))
+
+    def _least(self, regions: list[RecomputeOption]) -> float:
+        """The fewest saved bytes with ``regions`` recomputed: every other unit at its smallest option."""
+        shares = self.kept_shares([r.name for r in regions])
+        return (self.base_bytes + sum(r.delta_bytes for r in regions)
+                + sum(min(u[0].nbytes[u[0].index(o)] for o in shared_options(u)) * shares[u[0].name] for u in self._units()))
+
     def _knapsack(self, limit: float, criterion: str, weights: Mapping[str, float] | None,
-                  regions: list[RecomputeOption]) -> tuple[tuple[float, dict[str, str]] | None, float]:
-        """The least-``criterion`` choice for the items outside ``regions`` within ``limit`` bytes,
-        (its weighted value, item -> option) or None, and the least bytes any choice reaches."""
+                  regions: list[RecomputeOption]) -> tuple[float, dict[str, str]] | None:
+        """The least-``criterion`` choice for the items outside ``regions`` within ``limit`` bytes:
+        (its weighted value, item -> option), or None."""
         inside = self._inside(regions)
+        shares = self.kept_shares([r.name for r in regions])
         units = [u for u in self._units() if u[0].name not in inside]
         fixed = self.base_bytes + sum(r.delta_bytes for r in regions)
         values, costs, unit_options = [], [], []
@@ -256,18 +292,17 @@ class MenuResult:
             per_option = [sum(_additive(m, criterion)[m.index(o)] * (weights or {}).get(m.name, 1.0) for m in members)
                           for o in options]
             values.append(per_option)
-            costs.append([members[0].nbytes[members[0].index(o)] for o in options])
-        least = fixed + sum(min(c) for c in costs)
+            costs.append([members[0].nbytes[members[0].index(o)] * shares[members[0].name] for o in options])
         choice = least_value_choice(values, costs, limit - fixed)
         if choice is None:
-            return None, least
+            return None
         rerun_items = [i for i in self.items if i.name in inside]
         chosen = {i.name: _rerun_option(i) for i in rerun_items}
         rerun = sum(_additive(i, criterion)[i.index(chosen[i.name])] * (weights or {}).get(i.name, 1.0) for i in rerun_items)
         for members, options, j in zip(units, unit_options, choice, strict=True):
             for m in members:
                 chosen[m.name] = options[j]
-        return (rerun + sum(v[j] for v, j in zip(values, choice, strict=True)), chosen), least
+        return rerun + sum(v[j] for v, j in zip(values, choice, strict=True)), chosen
 
     def choice_of(self, chosen: Mapping[str, str], regions: list[RecomputeOption] | None = None) -> ScoredPlan:
         """The plan giving each item its option in ``chosen`` (item name -> option; items reading
@@ -303,10 +338,9 @@ class MenuResult:
         """The score of one option everywhere (``uniform_choice``)."""
         return self.uniform_choice(conv, norm, act, saved).score
 
-    def least_ratio(self) -> float:
-        """The smallest saved-bytes ratio to stock any map of this menu reaches."""
-        least = self.base_bytes + sum(min(members[0].nbytes) for members in self._units())
-        return least / self.stock_bytes
+    def least_ratio(self, max_step_ratio: float = 1.0) -> float:
+        """The smallest saved-bytes ratio to stock any map of this menu reaches (``least_bytes``)."""
+        return self.least_bytes(max_step_ratio) / self.stock_bytes
 
     def unit_items(self) -> dict[str, list[str]]:
         """Units that choose one option together, named by their first item -> their items."""

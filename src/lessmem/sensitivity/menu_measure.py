@@ -179,8 +179,9 @@ def _recompute_options(net: nn.Module, x: Tensor, y: Tensor | None, loss_fn: Cal
     step's seconds (least of two). Each region's ``delta_bytes`` from a saved-tensor count with it
     recomputed alone, twice: among exact items and among every item at its smallest option (a kept
     input that an exact neighbour's saved tensor shares costs nothing there, a full copy beside
-    codes), the larger kept, so that no map of the menu is predicted below its bytes; the items
-    wholly inside are added back (the menu drops them). A region holding a conv but not the
+    codes), the larger kept, so that no map of the menu is predicted below its bytes; what the menu
+    drops for it is added back (``MenuResult.kept_inside``: its units wholly inside, and its share of
+    a unit spanning several regions, each decoder layer's attention). A region holding a conv but not the
     BatchNorm its ``from_bn`` options rebuild from (or the other way round: a ResNet's stem and its
     first block's conv1) is not offered."""
     menu = MenuResult(items, 1, 0)  # its units and choices; bytes are not read from it
@@ -204,7 +205,7 @@ def _recompute_options(net: nn.Module, x: Tensor, y: Tensor | None, loss_fn: Cal
             for context, (plan, chosen) in contexts.items():
                 compress(net, dataclasses.replace(plan, recompute=(name,)))
                 total = measure_memory(net, x).total_bytes
-                deltas.append(total - totals[context] + menu.kept_inside(chosen, (name,)))
+                deltas.append(total - totals[context] + round(menu.kept_inside(chosen, (name,))))
                 freed = freed or totals[context] - total
         except (RuntimeError, TypeError):  # a run its parent does not call as one
             continue
