@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,31 @@ def setup():
     return model, batch, stock
 
 
+@pytest.fixture(scope="module")
+def profiled(setup, tmp_path_factory: pytest.TempPathFactory):
+    """resnet20's budget profile, measured once on an empty cache: (the profile, its cache file)."""
+    model, batch, _ = setup
+    cache = tmp_path_factory.mktemp("profiled")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LESSMEM_CACHE", str(cache))
+        profile = budget_profile(model, batch, optimizer=sgd)
+    (path,) = (cache / "budget").glob("*.json")
+    return profile, path
+
+
+@pytest.fixture
+def warm(profiled, tmp_path: Path) -> None:
+    """This test's cache holds resnet20's profile, as a second budget on the same setup finds it."""
+    (tmp_path / "budget").mkdir()
+    shutil.copy(profiled[1], tmp_path / "budget")
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache for the commands run on the ``tiny`` config: the second finds the first's profile."""
+    return tmp_path_factory.mktemp("tiny_cache")
+
+
 @pytest.mark.parametrize(("text", "nbytes"), [("6GiB", 6 * 2**30), ("750MiB", 750 * 2**20), ("1.5gib", 3 * 2**29),
                                               ("2GB", 2 * 10**9), ("123456", 123456), (4096, 4096)])
 def test_budget_strings(text: str | int, nbytes: int) -> None:
@@ -57,7 +83,7 @@ def test_label_round_trips() -> None:
     assert format_bytes(parse_bytes("6GiB")) == "6GiB" and format_bytes(parse_bytes("750MiB")) == "750MiB"
 
 
-def test_budget_holds(setup, tmp_path: Path) -> None:
+def test_budget_holds(setup, warm, tmp_path: Path) -> None:
     model, batch, stock = setup
     budget = int(0.6 * stock)
     choice = lessmem.fit(model, batch, budget, optimizer=sgd)
@@ -77,9 +103,9 @@ def test_budget_holds(setup, tmp_path: Path) -> None:
     assert all("tensor_error" in i["criteria"] for i in json.loads(cached.read_text())["menu"]["items"])
 
 
-def test_profile_interpolates_between_measured_maps(setup) -> None:
+def test_profile_interpolates_between_measured_maps(setup, profiled) -> None:
     model, batch, stock = setup
-    profile = budget_profile(model, batch, optimizer=sgd)
+    profile, _ = profiled
     assert profile.menu is not None and profile.floor_peak is not None
     assert profile.menu.meta["measured_batch"] == menu_samples(len(batch[0])) < len(batch[0])
     # stock, the floor and a map near the bend between them: budgets are interpolated, not extrapolated
@@ -88,9 +114,8 @@ def test_profile_interpolates_between_measured_maps(setup) -> None:
     assert profile.peaks.predict(mid_saved) == mid_peak
 
 
-def test_plan_batches_fit_the_budget(setup) -> None:
-    model, batch, _ = setup
-    profile = budget_profile(model, batch, optimizer=sgd)
+def test_plan_batches_fit_the_budget(profiled) -> None:
+    profile, _ = profiled
     assert profile.floor_peak is not None
     budget = (profile.stock_peak + profile.floor_peak) / 2
     rows = plan_batches(profile, budget)
@@ -99,7 +124,7 @@ def test_plan_batches_fit_the_budget(setup) -> None:
     assert all(r.predicted_peak_bytes <= budget for r in rows if r.fits)
 
 
-def test_nothing_fits(setup, tmp_path: Path) -> None:
+def test_nothing_fits(setup, warm) -> None:
     model, batch, _ = setup
     with pytest.raises(NoFit, match=r"smallest whole-step peak the menu reaches is .*largest batch that fits"):
         lessmem.fit(model, batch, "1KiB", optimizer=sgd)
@@ -112,7 +137,8 @@ def test_stock_fits(setup, tmp_path: Path) -> None:
     assert not lessmem.compressed_layers(lessmem.compress(copy.deepcopy(model), choice.plan))
 
 
-def test_train_nothing_fits_is_one_line(run_cli, tiny, tmp_path: Path) -> None:
+def test_train_nothing_fits_is_one_line(run_cli, tiny, tiny_cache: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("LESSMEM_CACHE", str(tiny_cache))
     result = run_cli(train_main, "lessmem-train", *tiny, f"out_dir={tmp_path}", "memory_budget=1KiB")
     assert result.is_one_error("lessmem-train", "largest batch that fits")
 
@@ -134,9 +160,11 @@ def test_train_stock_fits_records_budget(compose, tiny, tmp_path: Path, caplog: 
         assert record["compression"] == "budget_10GiB" and record["step_peak_bytes"] <= 10 * 2**30
 
 
-def test_plan_cli_writes_rows_table_and_plot(run_cli, tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plan_cli_writes_rows_table_and_plot(run_cli, tiny, tiny_cache: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     from lessmem.cli.plan import main
 
+    monkeypatch.setenv("LESSMEM_CACHE", str(tiny_cache))
     out, cwd = tmp_path / "plan", tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
@@ -204,7 +232,7 @@ def test_train_bad_fidelity_is_one_line(run_cli, tiny, tmp_path: Path) -> None:
     assert result.is_one_error("lessmem-train", "fidelity=precise: choose one of exact, lossy, auto")
 
 
-def test_auto_fidelity_takes_the_lossy_plan_past_the_step_ratio(setup) -> None:
+def test_auto_fidelity_takes_the_lossy_plan_past_the_step_ratio(setup, warm) -> None:
     """fidelity="auto": exact while its measured step is within max_step_ratio of stock's, else lossy."""
     model, batch, stock = setup
     fitted = lessmem.fit(model, batch, int(0.75 * stock), optimizer=sgd, fidelity="auto", max_step_ratio=0.0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -31,6 +32,9 @@ from lessmem.core import (
 )
 from lessmem.experiment import conf_dir
 from lessmem.sensitivity import DEFAULT_CRITERION, MenuOptions, fit, measure_menu, parse_bytes
+from lessmem.sensitivity.fit import FIT_MENU
+
+log = logging.getLogger(__name__)
 
 # Prefix of every figure a callback logs.
 PREFIX = "lessmem/"
@@ -128,10 +132,11 @@ class CompressionSchedule:
         reads it); or ``preset``: a ``conf/compression`` name; or
         ``memory_budget`` (``"6GiB"``, bytes): ``lessmem.fit`` on the first batch with the
         trainer's optimizer and the batch's own loss. Exactly one of the three.
-    adapt_every: with ``memory_budget``, re-measure the ``menu`` (default ``MenuOptions()``) on the
-        batch of every that many optimizer steps and apply the map of least ``criterion`` within the
-        saved-bytes ratio to stock the budget's plan reached (the whole-step peak follows the saved
-        bytes).
+    adapt_every: with ``memory_budget``, re-measure the ``menu`` (default: the options ``lessmem.fit``
+        chose from, so that what it reached stays reachable) on the batch of every that many optimizer
+        steps and apply the map of least ``criterion`` within the saved-bytes ratio to stock the
+        budget's plan reached and its reruns' predicted step (the whole-step peak follows the saved
+        bytes); a re-choice the menu cannot make keeps the plan, said in a warning.
     measure_peak: profile the memory of each step a plan was chosen for (its whole peak is logged).
     """
 
@@ -149,12 +154,13 @@ class CompressionSchedule:
             plan = CompressionPlan(plan, exact_companions=None, name="map")
         self.plan: CompressionPlan | None = plan if plan is not None else preset_plan(preset) if preset else None
         self.budget = parse_bytes(memory_budget) if memory_budget is not None else None
-        self.adapt_every, self.menu, self.criterion = adapt_every, menu or MenuOptions(), criterion
+        self.adapt_every, self.menu, self.criterion = adapt_every, menu or FIT_MENU, criterion
         self.measure_peak = measure_peak
         self.plans = 0  # plans applied so far
         self.step: int | None = None  # the optimizer step the last plan was chosen at
         self.stock_bytes = 0  # stock's saved bytes on the first batch
         self.ratio = 1.0  # saved bytes of the first plan / stock's: what a re-choice stays within
+        self.reruns = 1.0  # the first plan's reruns' predicted step over stock's: a re-choice's allowance
         self._busy = False
         self._pending: dict[str, float] = {}
         self._tracking: AbstractContextManager[Any] | None = None  # the step's profile, while it runs
@@ -187,7 +193,11 @@ class CompressionSchedule:
                     # compressed layers and its optimizer state).
                     stock = uncompress(copy.deepcopy(call)).train()
                     menu = measure_menu(stock, [(call.inputs, call.inputs)], self.menu, output_is_loss)
-                    plan = menu.make_map(self.ratio, self.criterion).plan
+                    try:
+                        plan = menu.make_map(self.ratio, self.criterion, max_step_ratio=self.reruns).plan
+                    except ValueError as e:  # below this menu's floor: training goes on with the plan it has
+                        log.warning("lessmem: step %d keeps its plan: %s", step, e)
+                        plan = self.plan
                 compress(model, plan)
                 saved = self._saved_bytes(call, copies)
         finally:
@@ -218,6 +228,7 @@ class CompressionSchedule:
         fitted = fit(call, (call.inputs, call.inputs), self.budget, criterion=self.criterion, loss_fn=output_is_loss,
                      optimizer=optimizer_like(optimizer) if optimizer is not None else None)
         figures |= {k: v for k, v in fitted.record().items() if isinstance(v, int | float)}
+        self.reruns = fitted.score.get("step_ratio", 1.0)
         return fitted.plan
 
     @staticmethod
