@@ -281,5 +281,5 @@ def test_recomputed_layers_reach_below_the_codes_floor(monkeypatch, caplog) -> N
     monkeypatch.setattr(_Stepper, "time_ratio", lambda self, plan, repeats=3: 20.0)
     with caplog.at_level(logging.INFO, logger="lessmem.sensitivity.fit"):
         slow = lessmem.fit(model, batch, budget, max_step_ratio=10.0, **settings)
-    assert "keeping the one whose step takes 20.00x" in caplog.text
+    assert "keeping the map whose step takes 20.00x" in caplog.text
     assert slow.plan.recompute and slow.step_time_ratio == 20.0 and slow.step_peak_bytes <= budget

@@ -118,7 +118,8 @@ class BudgetFit:
     verified: int = 0  # maps measured by a real step in this search
     known: bool = False  # the chosen map's peak was measured before this search: its prediction is that measurement
     fidelity: str = "lossy"  # the options the plan was chosen from ("exact" or "lossy")
-    step_time_ratio: float | None = None  # measured step time over stock's (exact plans, lossy ones recomputing regions; median of TIMED_STEPS)
+    # measured step time over stock's (exact plans, lossy ones recomputing regions; median of TIMED_STEPS)
+    step_time_ratio: float | None = None
     regions: tuple[RegionCost, ...] = ()  # exact plans: every recomputable region's measured bytes and seconds
 
     def record(self) -> dict[str, Any]:
@@ -191,9 +192,7 @@ def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | floa
         except NoFit:
             if found is None:
                 raise
-            log.warning("lessmem.fit: no map fits with fewer reruns; keeping the one whose step takes %.2fx stock's "
-                        "(max_step_ratio %s)", found[1], max_step_ratio)
-            break
+            break  # nothing fits with fewer reruns
         verified += search.verified
         ratio = step.time_ratio(search.chosen.plan) if search.chosen.plan.recompute else None
         found = (search, ratio)
@@ -207,6 +206,9 @@ def fit(model: nn.Module, batch: tuple[Tensor, Tensor], budget: str | int | floa
                  "reruns within %.3fx", ratio, predicted_ratio, max_step_ratio, allow)
     assert found is not None
     search, ratio = found
+    if ratio is not None and ratio > max_step_ratio:
+        log.warning("lessmem.fit: keeping the map whose step takes %.2fx stock's (max_step_ratio %s): the searches "
+                    "with fewer reruns found none within it that fits the budget", ratio, max_step_ratio)
     chosen = search.chosen
     base["floor_step_peak_bytes"] = search.floor_peak
     return BudgetFit(chosen.plan.replace(name=name, source="memory_budget"), predicted_peak_bytes=search.predicted,
