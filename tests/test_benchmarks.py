@@ -184,6 +184,19 @@ def test_budget_benchmark_exact_view_csv_and_plot(tmp_path: Path, stdout_of) -> 
 
 
 @pytest.mark.slow
+def test_budget_benchmark_default_view_fits_each_budget(tmp_path: Path, stdout_of) -> None:
+    """The default view: lessmem.fit at budgets between stock's peak and the floor (``--max-step-ratio``
+    1: codes only), each chosen map trained a step and timed, one fit on a fresh cache, the CSV."""
+    csv_path = tmp_path / "resnet20.csv"
+    out = stdout_of("budget.py", "--model", "resnet20", "--image-size", "32", "--batch", "16", "--steps", "1",
+                    "--budgets", "2", "--no-compile", "--max-step-ratio", "1", "--csv", str(csv_path))
+    assert "choice at" in out and "checkpoint_peak_mib=" in out, out
+    rows = list(csv.DictReader(csv_path.open()))
+    assert len(rows) == 2 and all(float(r["lessmem_peak_mib"]) <= float(r["budget_mib"]) for r in rows)
+    assert all(r["recomputed"] == "0" and r["fit_step_ratio"] == "" for r in rows)
+
+
+@pytest.mark.slow
 def test_context_benchmark_rows_for_lessmems_lossy_plans(tmp_path: Path, stdout_of) -> None:
     """lessmem's rows on a tiny Llama: fit's menu (its floor and the exact ladders measured) and, with
     --lossy-ratio, the menu's map at that fraction of stock's saved bytes, named so, reaching longer
