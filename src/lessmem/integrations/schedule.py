@@ -11,6 +11,7 @@ and logs the figures ``finish`` returns through the trainer's own loggers."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -192,7 +193,9 @@ class CompressionSchedule:
                     # The menu on stock layers with the current weights (a copy: the model keeps its
                     # compressed layers and its optimizer state).
                     stock = uncompress(copy.deepcopy(call)).train()
-                    menu = measure_menu(stock, [(call.inputs, call.inputs)], self.menu, output_is_loss)
+                    # regions only where the first plan may rerun them: codes-only re-choices ignore them
+                    options = self.menu if self.reruns > 1 else dataclasses.replace(self.menu, recompute=False)
+                    menu = measure_menu(stock, [(call.inputs, call.inputs)], options, output_is_loss)
                     try:
                         plan = menu.make_map(self.ratio, self.criterion, max_step_ratio=self.reruns).plan
                     except ValueError as e:  # below this menu's floor: training goes on with the plan it has

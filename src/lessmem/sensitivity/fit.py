@@ -237,9 +237,8 @@ def _least_error_fitting(profile: BudgetProfile, step: _Stepper, cache_file: Pat
     least = profile.menu.least_bytes() * FLOOR_ROOM  # the knapsack's room above the floor (smallest_map)
     ladder_floor = smallest_map(profile.menu, criterion, max_step_ratio)
     if ladder_floor.score["bytes"] < floor_map.score["bytes"]:  # recomputed regions reach lower
-        peak, known = _measured_peak(profile, step, ladder_floor)
+        peak, known = _measured_peak(profile, step, ladder_floor, cache_file)
         verified += not known
-        _save(cache_file, profile)
         if peak < floor_peak:
             floor_map, floor_peak = ladder_floor, peak
             least = profile.menu.least_bytes(max_step_ratio) * FLOOR_ROOM
@@ -259,9 +258,8 @@ def _least_error_fitting(profile: BudgetProfile, step: _Stepper, cache_file: Pat
             break
         tried.add(saved)
         predicted = int(profile.peaks.predict(saved))
-        measured, known = _measured_peak(profile, step, choice)
+        measured, known = _measured_peak(profile, step, choice, cache_file)
         verified += not known
-        _save(cache_file, profile)
         log.info("lessmem.fit: map saving %s: step peak %s (predicted %s, budget %s)%s", format_bytes(saved),
                  format_bytes(measured), format_bytes(predicted), format_bytes(budget_bytes),
                  " [measured before]" if known else "")
@@ -278,9 +276,10 @@ def _least_error_fitting(profile: BudgetProfile, step: _Stepper, cache_file: Pat
     return _Search(*best, floor_peak=floor_peak, verified=verified)
 
 
-def _measured_peak(profile: BudgetProfile, step: _Stepper, choice: ScoredPlan) -> tuple[int, bool]:
+def _measured_peak(profile: BudgetProfile, step: _Stepper, choice: ScoredPlan, cache_file: Path) -> tuple[int, bool]:
     """(``choice``'s whole-step peak, whether it was measured before): a map measured before needs
-    no step; a new one is measured and kept (a codes-only map as a point of the peak model)."""
+    no step; a new one is measured and kept in the cached profile (a codes-only map as a point of
+    the peak model)."""
     saved, key = choice.score["bytes"], json.dumps(choice.plan.to_dict(), sort_keys=True)
     measured = profile.rerun_peaks.get(key) if choice.plan.recompute else dict(profile.peaks.points).get(saved)
     if measured is not None:
@@ -290,6 +289,7 @@ def _measured_peak(profile: BudgetProfile, step: _Stepper, choice: ScoredPlan) -
         profile.rerun_peaks[key] = peak
     else:
         profile.peaks.add(saved, peak)
+    _save(cache_file, profile)
     return int(peak), False
 
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -155,7 +154,7 @@ class MenuResult:
         """Item name -> the option ``plan`` gives it and that option's additive ``criterion`` value
         (what ``make_map`` sums; an item rerun in backward: ``"recomputed, <option>"``): where a plan's
         predicted error lies, item by item."""
-        chosen, inside = self.options_of(plan), self._inside(self._recomputed(plan))
+        chosen, inside = self.options_of(plan), self._inside(self.kept_shares([r.name for r in self._recomputed(plan)]))
         return {i.name: (f"recomputed, {chosen[i.name]}" if i.name in inside else chosen[i.name],
                          _additive(i, criterion)[i.index(chosen[i.name])]) for i in self.items}
 
@@ -166,12 +165,9 @@ class MenuResult:
                              f"(measure it with menu.recompute=true; it has {sorted(known) or 'none'})")
         return [known[n] for n in plan.recompute]
 
-    def _units_inside(self, names: Sequence[str]) -> list[list[MenuItem]]:
-        """The units lying wholly inside the regions ``names``: recomputed, they keep nothing there."""
-        return [u for u in self._units() if names and all(in_regions(m.name, names) for m in u)]
-
-    def _inside(self, regions: list[RecomputeOption]) -> set[str]:
-        return {m.name for u in self._units_inside([r.name for r in regions]) for m in u}
+    def _inside(self, shares: Mapping[str, float]) -> set[str]:
+        """The items of the units the regions keep nothing of (``kept_shares``: wholly inside)."""
+        return {m.name for u in self._units() if not shares[u[0].name] for m in u}
 
     def kept_shares(self, names: Sequence[str]) -> dict[str, float]:
         """Unit (its first item's name) -> the share of its bytes kept with the regions ``names``
@@ -245,15 +241,13 @@ class MenuResult:
             raise ValueError(f"budget must be > 0, got {budget}")
         limit = budget * self.stock_bytes if budget <= 1 else float(budget)
         best: tuple[float, dict[str, str], list[RecomputeOption]] | None = None
-        least = math.inf
         for regions in self.recompute_ladder(max_step_ratio):
             found = self._knapsack(limit, criterion, weights, regions)
-            least = min(least, self._least(regions))
             if found is not None and (best is None or found[0] < min((1 - MIN_GAIN) * best[0], best[0] - MIN_ABS_GAIN)):
                 best = (*found, regions)
         if best is None:
             raise ValueError(f"no map fits {limit / self.stock_bytes:.3f}x stock saved bytes; the menu's "
-                             f"smallest is {least / self.stock_bytes:.3f}x")
+                             f"smallest is {self.least_ratio(max_step_ratio):.3f}x")
         return self.choice_of(best[1], best[2])
 
     def recompute_ladder(self, max_step_ratio: float = 1.0) -> list[list[RecomputeOption]]:
@@ -281,8 +275,8 @@ class MenuResult:
                   regions: list[RecomputeOption]) -> tuple[float, dict[str, str]] | None:
         """The least-``criterion`` choice for the items outside ``regions`` within ``limit`` bytes:
         (its weighted value, item -> option), or None."""
-        inside = self._inside(regions)
         shares = self.kept_shares([r.name for r in regions])
+        inside = self._inside(shares)
         units = [u for u in self._units() if u[0].name not in inside]
         fixed = self.base_bytes + sum(r.delta_bytes for r in regions)
         values, costs, unit_options = [], [], []
