@@ -1,7 +1,8 @@
 """The fine-tuning callbacks end to end on the CPU, a few steps each: the HF ``Trainer`` on the tiny
 LoRA Llama of test_peft.py and a random-token dataset, and a Lightning ``Trainer`` on a tiny token
 model; each compresses the model on the first batch, trains to a finite loss and logs saved bytes
-below stock's through the trainer's own loggers. Skipped without the ``finetune`` extra."""
+below stock's through the trainer's own loggers; a plan of recomputed layers (exact) ends on stock's
+weights under either trainer. Skipped without the ``finetune`` extra."""
 
 from __future__ import annotations
 
@@ -58,6 +59,33 @@ def test_hf_trainer_compresses_a_lora_model_and_logs_through_the_trainer(tmp_pat
     assert 0 < figures[SAVED] < figures[STOCK] and figures[PEAK] > 0 and figures["step"] == 1
     print(f"HF Trainer, LoRA Llama {BATCH}x{TOKENS}, A/B inputs and SiLU inputs int8: saved {figures[SAVED]:.0f} "
           f"of stock's {figures[STOCK]:.0f} bytes, step peak {figures[PEAK]:.0f}")
+
+
+def trainable(model: nn.Module) -> dict[str, Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_same_weights(got: dict[str, Tensor], stock: dict[str, Tensor]) -> None:
+    assert got.keys() == stock.keys()
+    for name, value in stock.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_hf_trainer_trains_recomputed_layers_as_stock_does(tmp_path: Path) -> None:
+    """Decoder layers recomputed in backward under the Trainer's hooks (what a budget fit may choose):
+    they keep fewer bytes, and three steps end on stock's weights (recompute is exact)."""
+    after = {}
+    for name in ("stock", "recompute"):
+        model = lora_llama()
+        trainer = hf_trainer(tmp_path / name, model)
+        if name == "recompute":
+            plan = lessmem.CompressionPlan(recompute=("base_model.model.model.layers.*",))
+            trainer.add_callback(hf.LessmemCallback(trainer, plan))
+        trainer.train()
+        after[name] = trainable(model)
+    (figures,) = [e for e in trainer.state.log_history if SAVED in e]
+    assert 0 < figures[SAVED] < figures[STOCK]
+    assert_same_weights(after["recompute"], after["stock"])
 
 
 @pytest.mark.slow
@@ -150,6 +178,21 @@ def test_lightning_fits_a_budget_and_rechooses_every_step(tmp_path: Path) -> Non
     print(f"Lightning, budget {budget} (stock step peak {stock.stock_step_peak_bytes}): fit's step peak "
           f"{first['lessmem/budget_step_peak_bytes']}, saved {[r[SAVED] for r in chosen]} of stock's {first[STOCK]}")
     assert callback.schedule.plan is not None and callback.schedule.plan.compresses
+
+
+def test_lightning_trains_recomputed_layers_as_stock_does(tmp_path: Path) -> None:
+    """Two MLP blocks' layers recomputed in backward under Lightning's hooks: fewer bytes kept, stock's
+    weights after three steps."""
+    plan = lessmem.CompressionPlan(recompute=("net.1+net.2+net.3", "net.4+net.5+net.6"))
+    after = {}
+    for name, callback in (("stock", pl.Callback()), ("recompute", lightning.LessmemCallback(plan))):
+        torch.manual_seed(0)
+        module = TinyTokenModel()
+        rows = fit_lightning(tmp_path / name, module, callback)
+        after[name] = trainable(module)
+    (figures,) = [r for r in rows if r.get(SAVED)]
+    assert 0 < float(figures[SAVED]) < float(figures[STOCK])
+    assert_same_weights(after["recompute"], after["stock"])
 
 
 @pytest.mark.parametrize("make", [lambda **kw: hf.LessmemCallback(None, **kw), lightning.LessmemCallback],
