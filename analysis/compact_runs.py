@@ -22,7 +22,8 @@ write them again.
 ``--publish SRC DEST``: runs made outside the checkout (a frozen worktree's proof writing elsewhere, so
 that a session's end stops nothing of the tree) into ``DEST/runs.json``, every ``SRC`` path named as
 ``DEST``'s (``DEST/maps/``, ``DEST/runs/``: what ``--restore`` writes back there), and a path beside the
-checkout (the data root) relative to it, as the configs name it (``../shared/data/cifar10``).
+checkout (the data root) relative to it, as the configs name it (``../shared/data/cifar10``). Runs that
+``DEST/runs.json`` has and ``SRC`` has not stay: a proof's seeds can be run on different machines.
 
 The summary scripts call ``load``, which rewrites runs.json first whenever raw run folders exist, and
 read the carried files with ``read`` (the file when it is there, else runs.json's copy).
@@ -76,7 +77,9 @@ def compact(out: Path) -> dict:
 
 
 def publish(src: Path, dest: Path) -> dict:
-    """``src``'s runs compacted into ``dest/runs.json``, its paths named as ``dest``'s."""
+    """``src``'s runs compacted into ``dest/runs.json``, its paths named as ``dest``'s. What
+    ``dest/runs.json`` had stays where ``src`` has nothing in its place (a run, a map, a carried
+    file, the stock schedule): seeds run on another machine join those published before."""
     table = compact(src)
     dest = dest.resolve()
     target = relative_to_repo(str(dest))
@@ -86,9 +89,21 @@ def publish(src: Path, dest: Path) -> dict:
         text = text.replace(f"{source}/", f"{mark}/").replace(f'"{source}"', f'"{mark}"')
     text = text.replace(f'"{REPO.parent}/', '"../')  # beside the checkout (the data root): as the configs name it
     text = text.replace(mark, target)
+    table = _merged(load_tracked(dest), json.loads(text))
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "runs.json").write_text(text + "\n")
-    return json.loads(text)
+    (dest / "runs.json").write_text(json.dumps(table, indent=1) + "\n")
+    return table
+
+
+def _merged(old: dict, new: dict) -> dict:
+    """``new`` over ``old``: runs by configuration and seed, maps and carried files by name."""
+    runs = {config: {**old["runs"].get(config, {}), **new["runs"].get(config, {})}
+            for config in sorted(old["runs"].keys() | new["runs"].keys())}
+    files = old.get("files", {}) | new.get("files", {})
+    return {"runs": {config: dict(sorted(seeds.items(), key=lambda kv: int(kv[0]))) for config, seeds in runs.items()},
+            "stock_config": new["stock_config"] or old["stock_config"],
+            "maps": dict(sorted((old["maps"] | new["maps"]).items())),
+            **({"files": dict(sorted(files.items()))} if files else {})}
 
 
 def carry(out: Path) -> dict[str, Any]:

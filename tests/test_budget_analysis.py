@@ -178,6 +178,16 @@ def test_compact_runs_publishes_runs_made_outside_the_checkout(tmp_path: Path) -
     assert compact_runs.main(["--restore", str(dest)]) == 0
     assert (dest / "maps" / "chosen.yaml").read_text().startswith(f"# from {dest / 'menu/menu.json'}")
     assert compact_runs.main(["--publish", str(tmp_path / "none"), str(dest)]) == 2
+    # Another machine's runs join them (a new seed, a new configuration; the map stays).
+    later = tmp_path / "later"
+    write_run(later, "chosen", 2, 62.0, 0.5)
+    (later / "runs" / "stock" / "seed1").mkdir(parents=True)
+    (later / "runs" / "stock" / "seed1" / "metrics.json").write_text(json.dumps({"final_top1": 0.7, "ratio": 1.0}))
+    assert compact_runs.main(["--publish", str(later), str(dest)]) == 0
+    table = json.loads((dest / "runs.json").read_text())
+    assert {c: {s: r["final_top1"] for s, r in seeds.items()} for c, seeds in table["runs"].items()} == \
+        {"chosen": {"0": 0.6, "2": 0.62}, "stock": {"1": 0.7}}
+    assert list(table["runs"]) == ["chosen", "stock"] and table["maps"]["chosen"].startswith("# from")
 
 
 PUBLISHED = {"budget_proof": "proof_summary", "budget_proof_long": "proof_summary",
