@@ -5,8 +5,10 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -387,10 +389,23 @@ def test_results_page_regenerates_from_the_committed_evidence(tmp_path: Path, mo
     assert (tmp_path / "README.md").read_text() == (REPO / "README.md").read_text()
 
 
-def test_every_relative_link_in_the_docs_resolves() -> None:
-    """README.md and docs/*.md link only to files (or folders) git tracks."""
-    import re
+def _without_code(page: str) -> str:
+    return re.sub(r"```.*?```", "", (REPO / page).read_text(), flags=re.S)  # code blocks hold no links
 
+
+def _anchors(page: str) -> Iterator[str]:
+    """The heading anchors GitHub makes for a Markdown page: lower case, every character but letters,
+    digits, ``_``, ``-`` and spaces dropped, spaces as ``-``; a repeated one numbered ``-1``, ``-2``."""
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6}\s+(.*?)\s*$", _without_code(page), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        seen[slug] = seen.get(slug, -1) + 1
+        yield f"{slug}-{seen[slug]}" if seen[slug] else slug
+
+
+def test_every_relative_link_in_the_docs_resolves() -> None:
+    """README.md and docs/*.md link only to files (or folders) git tracks, and to headings that a
+    linked Markdown page has."""
     names = set(tracked("."))
     if not names:
         pytest.skip("not a git checkout")
@@ -398,13 +413,15 @@ def test_every_relative_link_in_the_docs_resolves() -> None:
     pages = ["README.md", *sorted(n for n in names if re.fullmatch(r"docs/[^/]+\.md", n))]
     missing = []
     for page in pages:
-        text = re.sub(r"```.*?```", "", (REPO / page).read_text(), flags=re.S)  # code blocks hold no links
-        for target in re.findall(r"\]\(([^)\s]+)\)", text):
-            if re.match(r"[a-z]+:|#", target):
+        for target in re.findall(r"\]\(([^)\s]+)\)", _without_code(page)):
+            if re.match(r"[a-z]+:", target):
                 continue
-            path = os.path.normpath(os.path.join(os.path.dirname(page), target.split("#")[0]))
+            file, _, anchor = target.partition("#")
+            path = os.path.normpath(os.path.join(os.path.dirname(page), file)) if file else page
             if path not in names and path not in folders:
                 missing.append(f"{page}: {target}")
+            elif anchor and path.endswith(".md") and anchor not in set(_anchors(path)):
+                missing.append(f"{page}: {target} (no such heading)")
     assert not missing
 
 
