@@ -12,7 +12,9 @@ same seeds (issue 31). For a model preset (``--model resnet20`` on the issue-12 
    the menu predicts), the ``--map-files`` (hand maps, e.g. a compression preset), and stock;
 3. every configuration trained on ``--seeds`` (8 paired seeds by default), two jobs at a time with
    one thread each; a finished run is skipped, an interrupted one resumes;
-4. ``<out>/proof.json`` (the layout ``analysis/proof_summary.py`` reads) and the summary.
+4. ``<out>/proof.json`` (the layout ``analysis/proof_summary.py`` reads) and the summary. A part of
+   the proof (``--configs``) keeps the layout the proof has there (restored from a published
+   runs.json, say) and adds only the configurations it lacked.
 
     python analysis/proof.py --model resnet20 --out docs/results/proof_resnet20 --budgets 0.125 0.08 0.05
     python analysis/proof.py --model tiny_llama --out docs/results/proof_tiny_llama --budgets 0.5 0.25 0.12
@@ -277,6 +279,14 @@ def layout(preset: Preset, model: str, configs: dict[str, dict], budgets: list[f
                             f"`sweeps/{preset.sweep}.yaml`. Trial 0 is the knapsack's own map at that budget.")}
 
 
+def part_of(before: dict, layout_now: dict) -> dict:
+    """The layout a partial run (``--configs``) leaves: the proof's layout as written before (its
+    command, title and seeds stay, a hand-written note too), with the configurations it lacked."""
+    seeds = sorted(set(before.get("seeds", [])) | set(layout_now.get("seeds", [])))
+    return before | {"configs": before["configs"] | {c: v for c, v in layout_now["configs"].items()
+                                                       if c not in before["configs"]}} | ({"seeds": seeds} if seeds else {})
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(PRESETS), required=True)
@@ -330,10 +340,14 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--override-configs {spec!r}: write NAME:KEY=VALUE[,KEY=VALUE]")
         configs[name] = {"home": budget_name(min(args.budgets)), "uniform": False, "overrides": overrides.split(",")}
     jobs = jobs_for(out, preset, args, configs, menu_path)
-    (out / "proof.json").write_text(json.dumps(relative_to_repo(
+    layout_now = relative_to_repo(
         layout(preset, args.model, configs, args.budgets, menu_path, argv,
                "criterion_summary" if args.criterion_check else "proof_summary")
-        | {"criterion": args.criterion, "seeds": args.seeds, "criterion_check": bool(args.criterion_check)}), indent=1))
+        | {"criterion": args.criterion, "seeds": args.seeds, "criterion_check": bool(args.criterion_check)})
+    layout_file = out / "proof.json"
+    if args.configs is not None and layout_file.is_file():  # a part of the proof: its layout stays the whole one's
+        layout_now = part_of(json.loads(layout_file.read_text()), layout_now)
+    layout_file.write_text(json.dumps(layout_now, indent=1))
     schedule(jobs, args.workers, args.threads, out)
     if args.configs is not None:
         print("--configs: a part of the proof ran; summarize with the driver without --configs", flush=True)

@@ -299,6 +299,19 @@ def test_proof_driver_copies_map_files_and_refuses_to_overwrite_one(tmp_path: Pa
         proof.copy_map(tmp_path, other)
 
 
+def test_a_part_of_a_proof_keeps_the_proofs_layout() -> None:
+    """``--configs``: the layout written by the whole proof (its command, seeds, a hand-written note)
+    stays; only a configuration it lacked is added."""
+    proof = importlib.import_module("proof")
+    before = {"command": "the whole proof, with a note", "seeds": [0, 1, 2],
+              "configs": {"stock": {"home": "all"}, "chosen_0.08": {"home": "0.08"}}}
+    now = {"command": "--seeds 2 --configs 'chosen_*'", "seeds": [2, 3],
+           "configs": {"stock": {"home": "all"}, "chosen_0.08": {"home": "0.05"}, "adaptive_0.08": {"home": "0.08"}}}
+    assert proof.part_of(before, now) == {
+        "command": "the whole proof, with a note", "seeds": [0, 1, 2, 3],
+        "configs": {"stock": {"home": "all"}, "chosen_0.08": {"home": "0.08"}, "adaptive_0.08": {"home": "0.08"}}}
+
+
 def test_criterion_check_trains_each_distinct_map_once() -> None:
     """Criteria that agree on a budget's map (all of them at a loose budget) give one
     configuration, not two runs of one map."""
