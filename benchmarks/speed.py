@@ -7,8 +7,8 @@ machine noise hits both alike; the reported ratio is median(compressed) / median
     python benchmarks/speed.py --model resnet18 --size 64 --batch 16 --maps 2 int8 int4 2/int4
     python benchmarks/speed.py --compile          # torch.compile both (compile time not timed)
     python benchmarks/speed.py --model resnet20 --size 32 --batch 128 --channels-last
-    python benchmarks/speed.py --model resnet18 --size 64 --batch 16 --profile 2   # top ops
-    python benchmarks/speed.py --maps 2/int4 --profile 2x2/int4     # top ops of a --maps config
+    python benchmarks/speed.py --model resnet18 --size 64 --batch 16 --profile 2   # the ops that moved most
+    python benchmarks/speed.py --maps 2/int4 --profile 2x2/int4 --profile-rounds 5   # a --maps config's
     python benchmarks/speed.py --threads 1 --clock cpu    # CPU time: steadier on a shared machine
     python benchmarks/speed.py --maps int2 --norm-storage int4    # a low-bit map, BatchNorm in int4
     python benchmarks/speed.py --maps int2 'layer*.conv2:from_bn,*:int2' --norm-storage int4   # a whole map
@@ -33,6 +33,7 @@ import copy
 import resource
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torchvision
@@ -95,8 +96,12 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile stock and compressed models")
     parser.add_argument("--channels-last", action="store_true", help="NHWC model and input (oneDNN)")
     parser.add_argument("--profile", default=None, metavar="CONFIG",
-                        help="also print the top ops (self CPU time) of stock and CONFIG, one step each "
-                             "(K for KxK, or a config name of the table such as 2x2/int4)")
+                        help="also print the ops whose self CPU time per step moved most between stock and "
+                             "CONFIG (K for KxK, or a config name of the table such as 2x2/int4)")
+    parser.add_argument("--profile-rounds", type=int, default=3,
+                        help="profiled steps of each, alternating; an op's time is its median over them")
+    parser.add_argument("--profile-steps", type=int, default=1, help="steps in each profiled round")
+    parser.add_argument("--profile-top", type=int, default=25, help="ops listed")
     args = parser.parse_args()
     specs = _specs(parser, args.kernels, args.maps, bool(args.map_file))
     plans = _plans(parser, args.map_file, specs)
@@ -142,8 +147,8 @@ def main() -> None:
         med = statistics.median(ts)
         print(f"| {name} | {med:.3f} | {min(ts):.3f} | {med / base:.3f} |")
     if profiled:
-        for name in ("stock", profiled):
-            profile_step(name, models[name], optimizers[name], x, y)
+        profile_diff({n: steps[list(models).index(n)] for n in ("stock", profiled)}, args.profile_rounds,
+                     args.profile_steps, args.profile_top)
 
 
 def _specs(parser: argparse.ArgumentParser, kernels: list[int] | None, maps: list[str],
@@ -196,16 +201,30 @@ def build(name: str, num_classes: int) -> torch.nn.Module:
     return getattr(torchvision.models, name)(num_classes=num_classes)
 
 
-def profile_step(name: str, model, optimizer, x, y, rows: int = 15) -> None:
+def profile_diff(steps: dict[str, Callable[[], object]], rounds: int, per_round: int, top: int) -> None:
+    """The ops whose self CPU time per step differs most between the two ``steps`` (stock first):
+    profiled in alternating rounds of ``per_round`` steps each, every op's time and calls per step
+    the median over rounds, so that machine drift hits both alike. Calls per step in parentheses."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        train_step(model, optimizer, x, y)
-    print(f"\n### {name}: top ops by self CPU time (one step)\n")
-    print("```")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
-    print("```")
-
+    profiled: dict[str, list[dict[str, tuple[float, float]]]] = {n: [] for n in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(per_round):
+                    step()
+            profiled[name].append({e.key: (e.self_cpu_time_total / 1000 / per_round, e.count / per_round)
+                                   for e in prof.key_averages()})
+    per_op = {name: {key: tuple(statistics.median(r.get(key, (0.0, 0.0))[i] for r in runs) for i in (0, 1))
+                     for key in set().union(*runs)} for name, runs in profiled.items()}
+    (stock, a), (name, b) = per_op.items()
+    rows = sorted(a.keys() | b.keys(), key=lambda k: -abs(b.get(k, (0, 0))[0] - a.get(k, (0, 0))[0]))
+    print(f"\n### self CPU ms per step, {name} against {stock} (median of {rounds} rounds x {per_round} steps; "
+          "calls per step)\n")
+    print(f"total: {stock} {sum(t for t, _ in a.values()):.1f}, {name} {sum(t for t, _ in b.values()):.1f}")
+    for k in rows[:top]:
+        (ta, ca), (tb, cb) = a.get(k, (0.0, 0.0)), b.get(k, (0.0, 0.0))
+        print(f"{tb - ta:+8.2f}  {k[:55]:55s} {stock} {ta:7.2f} ({ca:4.0f})  {name} {tb:7.2f} ({cb:4.0f})")
 
 if __name__ == "__main__":
     main()

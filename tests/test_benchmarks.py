@@ -108,10 +108,13 @@ def test_storage_cost_times_fused_and_reference_packing(stdout_of) -> None:
             assert re.search(rf"^\| {spec} \| {packing} \| [\d.]+ \| [\d.]+ \| \d+ \| [\d.]+% \|$", out, re.M), out
 
 
-def test_profile_diff_lists_ops_of_both_models(stdout_of) -> None:
-    out = stdout_of("profile_diff.py", "32", "2", "1", "--rounds", "1", "--top", "40")
+def test_speed_profile_lists_the_ops_of_both_models_by_their_difference(stdout_of) -> None:
+    out = stdout_of("speed.py", "--model", "resnet20", "--size", "16", "--batch", "2", "--kernels", "2", "--repeats", "1",
+                    "--warmup", "0", "--profile", "2", "--profile-rounds", "1", "--profile-top", "40")
     assert re.search(r"^total: stock [\d.]+, 2x2 [\d.]+$", out, re.M), out
     assert "aten::convolution_backward" in out and "PooledConv2dFunction" in out
+    moved = [abs(float(line.split()[0])) for line in out.splitlines() if re.match(r"^\s*[+-]\d+\.\d+  ", line)]
+    assert len(moved) == 40 and moved == sorted(moved, reverse=True)
 
 
 @pytest.mark.slow
