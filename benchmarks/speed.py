@@ -99,7 +99,7 @@ def main() -> None:
                         help="also print the ops whose self CPU time per step moved most between stock and "
                              "CONFIG (K for KxK, or a config name of the table such as 2x2/int4)")
     parser.add_argument("--profile-rounds", type=int, default=3,
-                        help="profiled steps of each, alternating; an op's time is its median over them")
+                        help="profiled rounds of stock and CONFIG, alternating; an op's time is its median over them")
     parser.add_argument("--profile-steps", type=int, default=1, help="steps in each profiled round")
     parser.add_argument("--profile-top", type=int, default=25, help="ops listed")
     args = parser.parse_args()
@@ -147,8 +147,9 @@ def main() -> None:
         med = statistics.median(ts)
         print(f"| {name} | {med:.3f} | {min(ts):.3f} | {med / base:.3f} |")
     if profiled:
-        profile_diff({n: steps[list(models).index(n)] for n in ("stock", profiled)}, args.profile_rounds,
-                     args.profile_steps, args.profile_top)
+        step_of = dict(zip(models, steps, strict=True))
+        profile_diff({n: step_of[n] for n in ("stock", profiled)}, args.profile_rounds, args.profile_steps,
+                     args.profile_top)
 
 
 def _specs(parser: argparse.ArgumentParser, kernels: list[int] | None, maps: list[str],
@@ -225,6 +226,7 @@ def profile_diff(steps: dict[str, Callable[[], object]], rounds: int, per_round:
     for k in rows[:top]:
         (ta, ca), (tb, cb) = a.get(k, (0.0, 0.0)), b.get(k, (0.0, 0.0))
         print(f"{tb - ta:+8.2f}  {k[:55]:55s} {stock} {ta:7.2f} ({ca:4.0f})  {name} {tb:7.2f} ({cb:4.0f})")
+
 
 if __name__ == "__main__":
     main()
