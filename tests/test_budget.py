@@ -160,6 +160,24 @@ def test_train_stock_fits_records_budget(compose, tiny, tmp_path: Path, caplog: 
         assert record["compression"] == "budget_10GiB" and record["step_peak_bytes"] <= 10 * 2**30
 
 
+def test_a_resumed_budget_run_keeps_its_map_and_refuses_another_budget(compose, tiny, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resuming a ``memory_budget`` run trains the map its checkpoint kept: ``lessmem.fit`` is not asked
+    again (its cache grows with every fit, and a fit on more points may choose another map); another
+    budget is refused by name."""
+    first = run(compose(*tiny, f"out_dir={tmp_path}", "memory_budget=10GiB"))
+
+    def fit_again(*args, **kwargs):
+        raise AssertionError("a resumed budget run fitted its map again")
+
+    monkeypatch.setattr("lessmem.experiment.budget.fit", fit_again)
+    again = run(compose(*tiny, f"out_dir={tmp_path}", "memory_budget=10GiB", "epochs=2", "resume=true"))
+    kept = ("compression", "compression_hash", "memory_budget_bytes", "budget_stock_fits", "budget_step_peak_bytes")
+    assert len(again["history"]) == 2 and {k: again[k] for k in kept} == {k: first[k] for k in kept}
+    with pytest.raises(ValueError, match=r"resume: memory_budget differs from the checkpoint's \(10GiB vs 9GiB\)"):
+        run(compose(*tiny, f"out_dir={tmp_path}", "memory_budget=9GiB", "epochs=3", "resume=true"))
+
+
 def test_plan_cli_writes_rows_table_and_plot(run_cli, tiny, tiny_cache: Path, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     from lessmem.cli.plan import main

@@ -53,8 +53,15 @@ def choose_for_budget(model: nn.Module, batch: tuple[Tensor, Tensor], spec: RunS
                           comment=f"lessmem.fit: memory_budget={budget} at batch {fitted.batch_size}, whole-step "
                                   f"peak {fitted.step_peak_bytes} bytes measured, {fitted.predicted_peak_bytes} predicted")
         plan = plan.replace(source=str(path))
+    return with_budget_plan(spec, plan), fitted
+
+
+def with_budget_plan(spec: RunSpec, plan: CompressionPlan) -> RunSpec:
+    """``spec`` training ``plan``, the map its ``memory_budget`` chose (the memory figures at the run's
+    batch size, where the budget was measured). A resumed run passes the plan its checkpoint kept:
+    fitting again could choose another map (the measurement cache has grown since)."""
     data = replace(spec.data, memory_batch=spec.data.batch_size)
-    return replace(spec, plan=plan, plan_given=f"memory_budget={budget}", data=data), fitted
+    return replace(spec, plan=plan, plan_given=f"memory_budget={spec.memory_budget}", data=data)
 
 
 def plan_for_config(cfg: DictConfig, factors: tuple[float, ...]) -> tuple[RunSpec, int, list[PlanRow], BudgetFit | None]:

@@ -142,7 +142,7 @@ def read_checkpoint(path: Path, device: torch.device | str = "cpu") -> dict[str,
 
 def check_compatible(saved: dict[str, Any], now: dict[str, Any]) -> None:
     """The resumed run's settings that must match the checkpoint's."""
-    for key in ("model", "compression", "optimizer", "scheduler", "batch_size", "seed"):
+    for key in ("model", "compression", "memory_budget", "optimizer", "scheduler", "batch_size", "seed"):
         if key in saved and saved[key] != now.get(key):
             raise ValueError(f"resume: {key} differs from the checkpoint's ({saved[key]} vs {now.get(key)})")
 
@@ -154,6 +154,7 @@ class Checkpoints:
     path: Path
     memory: dict[str, Any]  # the run's memory measurement
     config: dict[str, Any]  # the resolved config (resume checks it against its own)
+    budget: dict[str, Any] | None = None  # memory_budget's choice: {"plan": its to_dict, "record": the fit's figures}
 
     def save(self, state: TrainState, at: Position) -> None:
         """Everything ``resume=true`` needs to continue from ``at``, written atomically."""
@@ -162,7 +163,7 @@ class Checkpoints:
             "scheduler": state.scheduler.state_dict(), "scaler": state.scaler.state_dict(),
             "epoch": at.epoch, "step": at.step, "partial": at.partial, "rng": rng_state(),
             "history": at.history, "memory": self.memory, "config": self.config,
-            "adaptive_plan": None if at.adaptive_plan is None else at.adaptive_plan.to_dict(),
+            "adaptive_plan": None if at.adaptive_plan is None else at.adaptive_plan.to_dict(), "budget": self.budget,
         }, self.path)
 
 

@@ -23,8 +23,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from lessmem.core import CompressionPlan
 from lessmem.experiment.adaptive import adapt_compression
-from lessmem.experiment.budget import choose_for_budget
+from lessmem.experiment.budget import choose_for_budget, with_budget_plan
 from lessmem.experiment.checkpoint import (
     Checkpoints,
     Interrupted,
@@ -71,16 +72,20 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
     model = spec.model.build()
     train_loader, val_loader = spec.data.loaders(spec.seed, spec.ddp)
     stock = copy.deepcopy(model)
-    budget = None
-    if spec.memory_budget:  # the map comes from the budget, measured at the run's batch
-        spec, budget = choose_for_budget(model, first_batch(val_loader, spec.data.batch_size), spec)
+    # A resumed budget run keeps the map it started with (fitting again may choose another).
+    budget = ckpt.get("budget") if ckpt is not None and spec.memory_budget else None
+    if budget is not None:
+        spec = with_budget_plan(spec, CompressionPlan.from_dict(budget["plan"]))
+    elif spec.memory_budget:  # the map comes from the budget, measured at the run's batch
+        spec, fitted = choose_for_budget(model, first_batch(val_loader, spec.data.batch_size), spec)
+        budget = {"plan": spec.plan.to_dict(), "record": fitted.record()}
     compress_model(model, spec.plan, spec.plan_given, spec.model.name)
     model.to(spec.device)
     model.to(memory_format=spec.memory_format)
     memory_batch = first_batch(val_loader, spec.data.memory_batch)
     memory = memory_record(stock, model, memory_batch, spec)
     if budget is not None:
-        memory.update(budget.record())
+        memory.update(budget["record"])
     del stock
     if main:  # reports of a run in progress read it here, never from the pickled checkpoint
         atomic_write_text(json.dumps(memory, indent=2), spec.out_dir / "memory.json")
@@ -100,7 +105,7 @@ def run(cfg: DictConfig, on_epoch_end: EpochCallback | None = None) -> dict[str,
         OmegaConf.save(OmegaConf.create(spec.config), spec.out_dir / "config.yaml")
 
     logger = build_logger(spec.log, spec.config, spec.out_dir, spec.resume) if main else Logger()
-    checkpoints = Checkpoints(spec.checkpoint_path, memory, spec.config)
+    checkpoints = Checkpoints(spec.checkpoint_path, memory, spec.config, budget)
     try:
         logger.summary({k: v for k, v in memory.items() if k != "saved_bytes_per_layer"})
         if coverage is not None:
