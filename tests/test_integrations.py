@@ -34,11 +34,13 @@ def token_rows(n: int) -> Tensor:
     return torch.randint(0, VOCAB, (n, TOKENS), generator=torch.Generator().manual_seed(2))
 
 
-def hf_trainer(tmp_path: Path, model: nn.Module) -> Any:
+def hf_trainer(tmp_path: Path, model: nn.Module, steps: int = 3, save_steps: int | None = None) -> Any:
     rows = token_rows(3 * BATCH)
+    saving = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {"save_strategy": "no"}
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=BATCH, learning_rate=1e-3, logging_steps=1,
-        report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, remove_unused_columns=False, seed=0)
+        output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=BATCH, learning_rate=1e-3,
+        logging_steps=1, report_to="none", use_cpu=True, disable_tqdm=True, remove_unused_columns=False, seed=0,
+        **saving)
     return transformers.Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows])
 
 
@@ -88,6 +90,27 @@ def test_hf_trainer_trains_recomputed_layers_as_stock_does(tmp_path: Path) -> No
     assert_same_weights(after["recompute"], after["stock"])
 
 
+def fit_again(*args: Any, **kwargs: Any) -> None:
+    raise AssertionError("a resumed budget callback fitted its plan again")
+
+
+def test_hf_trainer_resumes_a_budget_run_on_its_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each Trainer checkpoint holds the plan in force: resumed from it, a budget's plan goes on
+    without ``lessmem.fit`` (a budget stock fits here: the cheapest fit, the same path)."""
+    first = None
+    for steps in (3, 5):
+        trainer = hf_trainer(tmp_path, lora_llama(), steps=steps, save_steps=3)
+        callback = hf.LessmemCallback(trainer, memory_budget=2**40, measure_peak=False)
+        trainer.add_callback(callback)
+        trainer.train(resume_from_checkpoint=first is not None)
+        if first is None:
+            first = callback
+            assert (tmp_path / "checkpoint-3" / hf.SCHEDULE_FILE).is_file()
+            monkeypatch.setattr("lessmem.integrations.schedule.fit", fit_again)
+    assert callback.schedule.plan == first.schedule.plan and first.schedule.plan.name == "budget_1TiB"
+    assert callback.schedule.plans == first.schedule.plans + 1
+
+
 @pytest.mark.slow
 def test_hf_trainer_fits_a_budget_on_a_lora_model_and_rechooses(tmp_path: Path) -> None:
     """``memory_budget`` on the LoRA model: ``lessmem.fit`` with the Trainer's AdamW on the first batch,
@@ -133,13 +156,15 @@ class TinyTokenModel(pl.LightningModule):
 
 
 def fit_lightning(tmp_path: Path, module: pl.LightningModule, callback: pl.Callback,
-                  steps: int = 3) -> list[dict[str, str]]:
-    """Train ``steps`` steps of batches of 8; the rows of the CSV logger's metrics file."""
+                  steps: int = 3, resume: Path | None = None) -> list[dict[str, str]]:
+    """Train up to step ``steps`` on batches of 8 (from checkpoint ``resume`` if given) and save
+    ``tmp_path/last.ckpt``; the rows of the CSV logger's metrics file."""
     torch.manual_seed(0)
     trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=[callback], default_root_dir=tmp_path,
                          logger=pl.loggers.CSVLogger(tmp_path), log_every_n_steps=1, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, DataLoader(TensorDataset(token_rows(8 * steps)), batch_size=8))
+    trainer.fit(module, DataLoader(TensorDataset(token_rows(8 * steps)), batch_size=8), ckpt_path=resume)
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
     with (Path(trainer.logger.log_dir) / "metrics.csv").open() as f:
         return list(csv.DictReader(f))
 
@@ -156,10 +181,12 @@ def test_lightning_applies_a_preset_and_logs_to_its_loggers(tmp_path: Path) -> N
           f"{figures[STOCK]} bytes")
 
 
-def test_lightning_fits_a_budget_and_rechooses_every_step(tmp_path: Path) -> None:
+def test_lightning_fits_a_budget_rechooses_every_step_and_resumes_on_its_plan(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``memory_budget`` between the menu's floor and stock's whole-step peak: ``lessmem.fit`` on the
     first batch, then ``adapt_every=1`` re-measures the menu and re-chooses at every later step,
-    within the saved bytes the budget's plan reached."""
+    within the saved bytes the budget's plan reached. Resumed from the trainer's checkpoint, the
+    callback goes on with the plan in force there, without fitting again."""
     module = TinyTokenModel(dict_loss=True)
     call = BatchCall(module, [token_rows(8)], lightning.step_loss(torch.enable_grad))
     stock = lessmem.fit(call, (call.inputs, call.inputs), 2**40, loss_fn=output_is_loss,
@@ -178,6 +205,12 @@ def test_lightning_fits_a_budget_and_rechooses_every_step(tmp_path: Path) -> Non
     print(f"Lightning, budget {budget} (stock step peak {stock.stock_step_peak_bytes}): fit's step peak "
           f"{first['lessmem/budget_step_peak_bytes']}, saved {[r[SAVED] for r in chosen]} of stock's {first[STOCK]}")
     assert callback.schedule.plan is not None and callback.schedule.plan.compresses
+
+    monkeypatch.setattr("lessmem.integrations.schedule.fit", fit_again)
+    resumed = lightning.LessmemCallback(memory_budget=budget, measure_peak=False)
+    fit_lightning(tmp_path / "resumed", TinyTokenModel(dict_loss=True), resumed, steps=5, resume=tmp_path / "last.ckpt")
+    assert resumed.schedule.plan == callback.schedule.plan and resumed.schedule.plans == callback.schedule.plans + 1
+    assert resumed.schedule.ratio == callback.schedule.ratio
 
 
 def test_lightning_trains_recomputed_layers_as_stock_does(tmp_path: Path) -> None:

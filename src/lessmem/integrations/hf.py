@@ -8,14 +8,18 @@ the Trainer hands batches to no callback), compresses the model in place before 
 the trainer's optimizer and the model's own loss, so the batches need labels), and at the step's
 end logs the figures through ``trainer.log``: the trainer's log history and every ``report_to``
 integration (W&B when it is on). It holds the trainer for that: the events it gets carry no handle
-to log through.
+to log through. Each Trainer checkpoint gets the plan in force (``lessmem_schedule.json``): resumed
+from it, a budget's map goes on without fitting again.
 
 ``use_chunked_loss(model)`` makes the model's own loss one that keeps only the logits for backward
 (``lessmem.causal_lm_loss``): at long contexts the loss, not the layers, holds most bytes."""
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,12 +32,16 @@ from transformers import (
     TrainerState,
     TrainingArguments,
 )
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from lessmem.core import CompressionPlan, causal_lm_loss, saved_storage
 from lessmem.integrations.schedule import BatchCall, CompressionSchedule
 
 if TYPE_CHECKING:
     from transformers import Trainer
+
+log = logging.getLogger(__name__)
+SCHEDULE_FILE = "lessmem_schedule.json"  # in each Trainer checkpoint: the plan in force, for a resumed run
 
 
 def model_loss(model: nn.Module, batch: tuple[tuple[Any, ...], dict[str, Any]]) -> Tensor:
@@ -60,6 +68,18 @@ class LessmemCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: nn.Module, **kwargs: Any) -> None:
         self._hook = model.register_forward_pre_hook(_watching(self, model), with_kwargs=True)
+        if state.global_step:  # resumed: go on with the plan in force at the checkpoint, unfitted
+            saved = _checkpoint_dir(args, state) / SCHEDULE_FILE
+            if saved.is_file():
+                self.schedule.load_state_dict(json.loads(saved.read_text()))
+            elif self.schedule.budget is not None:
+                log.warning("lessmem: no %s in %s: the budget's plan is fitted again and may differ from the one "
+                            "trained so far", SCHEDULE_FILE, saved.parent)
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        folder = _checkpoint_dir(args, state)
+        if args.should_save and folder.is_dir():
+            (folder / SCHEDULE_FILE).write_text(json.dumps(self.schedule.state_dict()))
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         figures = self.schedule.finish()
@@ -84,6 +104,11 @@ class LessmemCallback(TrainerCallback):
         if saved_storage.attached(model) and not had_hooks:
             # torch took this call's pre-hooks before the plan added the model's own: enter it for this call
             saved_storage.enter_forward(model, args, kwargs)
+
+
+def _checkpoint_dir(args: TrainingArguments, state: TrainerState) -> Path:
+    """The Trainer's checkpoint folder of ``state``'s step (``resume_from_checkpoint=True`` takes the last)."""
+    return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
 
 
 def _watching(callback: LessmemCallback, model: nn.Module) -> Callable[[nn.Module, tuple, dict], None]:

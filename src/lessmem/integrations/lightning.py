@@ -57,6 +57,13 @@ class LessmemCallback(pl.Callback):
         self.schedule.apply(pl_module, call, trainer.global_step, copies=True,
                             optimizer=next(iter(trainer.optimizers), None))
 
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in Lightning's checkpoints: resumed (``ckpt_path=``), a budget's map goes on unfitted."""
+        return self.schedule.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.schedule.load_state_dict(state_dict)
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         figures = self.schedule.finish()

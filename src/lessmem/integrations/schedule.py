@@ -206,7 +206,7 @@ class CompressionSchedule:
         finally:
             self._busy = False
         ratio = saved / self.stock_bytes if self.stock_bytes else 1.0
-        if self.step is None:
+        if self.plans == 0:  # the first plan of the run (a resumed one keeps the ratio it had)
             self.ratio = min(1.0, ratio)
         self.plan, self.step = plan, step
         self.plans += 1
@@ -216,6 +216,20 @@ class CompressionSchedule:
             self._tracking = track_step_memory(device, live=False)
             self._tracker = self._tracking.__enter__()
         return plan
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a run resumed from a trainer's checkpoint needs to go on with the plan in force
+        (``load_state_dict``); JSON-ready."""
+        return {"plan": None if self.plan is None else self.plan.to_dict(), "plans": self.plans,
+                "ratio": self.ratio, "reruns": self.reruns}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Go on from ``state_dict()``: a budget's plan comes back and is applied on the next batch
+        without fitting again (a fit whose measurement cache has grown may choose another map); a
+        given plan or preset stays the one given now."""
+        if self.budget is not None and state.get("plan") is not None:
+            self.plan = CompressionPlan.from_dict(state["plan"])
+        self.plans, self.ratio, self.reruns = int(state["plans"]), float(state["ratio"]), float(state["reruns"])
 
     def finish(self) -> dict[str, float]:
         """The figures of the step a plan was chosen for, once it has ended (its whole peak, if
