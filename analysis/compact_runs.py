@@ -18,12 +18,18 @@ write them again.
     python analysis/compact_runs.py --restore docs/results/budget_proof   # maps/ and the carried files back, to rerun
     python analysis/compact_runs.py --restore-maps docs/results/budget_proof   # maps/ only
     python analysis/compact_runs.py --publish /work/runs/proof_lm42 docs/results/proof_lm_converged
+    python analysis/compact_runs.py --pack /work/runs/proof_c42 docs/results/cifar10_converged_partial.tar
 
 ``--publish SRC DEST``: runs made outside the checkout (a frozen worktree's proof writing elsewhere, so
 that a session's end stops nothing of the tree) into ``DEST/runs.json``, every ``SRC`` path named as
 ``DEST``'s (``DEST/maps/``, ``DEST/runs/``: what ``--restore`` writes back there), and a path beside the
 checkout (the data root) relative to it, as the configs name it (``../shared/data/cifar10``). Runs that
 ``DEST/runs.json`` has and ``SRC`` has not stay: a proof's seeds can be run on different machines.
+
+``--pack SRC TAR``: the runs a session's end stopped, for a new machine (only commits survive a change of
+machine): every unfinished run folder of ``SRC/runs`` (a step checkpoint, no metrics.json), whole, and the
+files at ``SRC``'s top (launch scripts, layouts; not runs.json, which ``--publish`` carries, nor logs).
+Unpacked with ``tar -xf TAR -C DIR`` after ``--restore DIR``, each run resumes where it stopped.
 
 The summary scripts call ``load``, which rewrites runs.json first whenever raw run folders exist, and
 read the carried files with ``read`` (the file when it is there, else runs.json's copy).
@@ -35,6 +41,7 @@ import fnmatch
 import json
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +100,17 @@ def publish(src: Path, dest: Path) -> dict:
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "runs.json").write_text(json.dumps(table, indent=1) + "\n")
     return table
+
+
+def pack(src: Path, tar: Path) -> list[str]:
+    """Write the unfinished runs of ``src`` and its top-level files into ``tar``; their names."""
+    runs = [p.parent for p in sorted((src / "runs").glob("*/seed*/checkpoint.pt"), key=_run_order)
+            if not (p.parent / "metrics.json").exists()]
+    tops = [p for p in sorted(src.iterdir()) if p.is_file() and p.name != "runs.json" and p.suffix != ".log"]
+    with tarfile.open(tar, "w") as archive:
+        for path in runs + tops:
+            archive.add(path, arcname=path.relative_to(src).as_posix())
+    return [path.relative_to(src).as_posix() for path in runs + tops]
 
 
 def _merged(old: dict, new: dict) -> dict:
@@ -200,6 +218,13 @@ def main(argv: list[str]) -> int:
             return 2
         table = publish(Path(argv[1]), Path(argv[2]))
         print(f"{Path(argv[2]) / 'runs.json'}: {sum(map(len, table['runs'].values()))} runs from {argv[1]}")
+        return 0
+    if argv[:1] == ["--pack"]:
+        if len(argv) != 3 or not (Path(argv[1]) / "runs").is_dir():
+            print("compact_runs.py: error: --pack SRC TAR, SRC a result folder with runs/", file=sys.stderr)
+            return 2
+        packed = pack(Path(argv[1]), Path(argv[2]))
+        print(f"{argv[2]}: {', '.join(packed) or 'nothing unfinished'}")
         return 0
     back = {"--restore": restore, "--restore-maps": restore_maps}.get(argv[0]) if argv else None
     folders = [Path(a) for a in argv[back is not None:]]

@@ -11,6 +11,7 @@ import math
 import re
 import shutil
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -188,6 +189,31 @@ def test_compact_runs_publishes_runs_made_outside_the_checkout(tmp_path: Path) -
     assert {c: {s: r["final_top1"] for s, r in seeds.items()} for c, seeds in table["runs"].items()} == \
         {"chosen": {"0": 0.6, "2": 0.62}, "stock": {"1": 0.7}}
     assert list(table["runs"]) == ["chosen", "stock"] and table["maps"]["chosen"].startswith("# from")
+
+
+def test_compact_runs_packs_the_unfinished_runs_for_another_machine(tmp_path: Path) -> None:
+    """``--pack SRC TAR``: the run folders with a step checkpoint and no metrics.json, whole, and SRC's
+    top-level files but runs.json and logs; unpacked into a restored folder, the runs are where they stopped."""
+    src = tmp_path / "src"
+    write_run(src, "stock", 0, 60.0, 1.0)
+    (src / "runs" / "stock" / "seed0" / "checkpoint.pt").write_bytes(b"finished")
+    stopped = src / "runs" / "chosen" / "seed2"
+    stopped.mkdir(parents=True)
+    for name, text in {"checkpoint.pt": "step 126", "metrics.jsonl": "{}\n", "config.yaml": "seed: 2\n"}.items():
+        (stopped / name).write_text(text)
+    for name in ("launch.sh", "proof_full.json", "runs.json", "driver_1.log"):
+        (src / name).write_text(name)
+    compact_runs = importlib.import_module("compact_runs")
+    tar = tmp_path / "partial.tar"
+    assert compact_runs.main(["--pack", str(src), str(tar)]) == 0
+    back = tmp_path / "back"
+    with tarfile.open(tar) as archive:
+        archive.extractall(back, filter="data")
+    assert sorted(p.relative_to(back).as_posix() for p in back.rglob("*") if p.is_file()) == [
+        "launch.sh", "proof_full.json", "runs/chosen/seed2/checkpoint.pt", "runs/chosen/seed2/config.yaml",
+        "runs/chosen/seed2/metrics.jsonl"]
+    assert (back / "runs/chosen/seed2/checkpoint.pt").read_text() == "step 126"
+    assert compact_runs.main(["--pack", str(tmp_path / "none"), str(tar)]) == 2
 
 
 PUBLISHED = {"budget_proof": "proof_summary", "budget_proof_long": "proof_summary",
