@@ -4,6 +4,7 @@ stock fits (library and lessmem-train)."""
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import logging
 import shutil
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 import lessmem
 from lessmem.cli.train import train_main
+from lessmem.core import CompressionPlan
 from lessmem.experiment import run
 from lessmem.models import build_model
 from lessmem.sensitivity import NoFit, budget_profile, format_bytes, parse_bytes, plan_batches
@@ -258,6 +260,27 @@ def test_auto_fidelity_takes_the_lossy_plan_past_the_step_ratio(setup, warm) -> 
 
 
 
+def test_a_step_ratio_near_its_limit_is_timed_on_more_steps(setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three alternating steps decide a ratio far from the limit; near it (within NEAR_LIMIT) six more of
+    each join them, so that one noisy step does not flip the choice."""
+    model, batch, _ = setup
+    calls: list[int] = []
+
+    def times(steps, repeats, **kwargs):
+        calls.append(repeats)
+        planned = [1.24, 1.26, 1.24] if len(calls) == 1 else [1.40] * repeats  # slower once timed longer
+        return [[1.0] * repeats, planned]
+
+    # the module, not the function lessmem.sensitivity re-exports under the same name
+    monkeypatch.setattr(importlib.import_module("lessmem.sensitivity.fit"), "alternating_step_times", times)
+    stepper, plan = _Stepper(model, batch, sgd, F.cross_entropy, None), CompressionPlan()
+    assert stepper.time_ratio(plan, limit=2.0) == pytest.approx(1.24) and calls == [3]
+    calls.clear()
+    assert stepper.time_ratio(plan) == pytest.approx(1.24) and calls == [3]
+    calls.clear()
+    assert stepper.time_ratio(plan, limit=1.25) == pytest.approx(1.40) and calls == [3, 6]
+
+
 def _tiny_lm(hidden: int, intermediate: int, seq: int, batch: int) -> tuple[torch.nn.Module, tuple, dict]:
     torch.manual_seed(0)
     model = build_model("tiny_llama", num_classes=64, hidden_size=hidden, intermediate_size=intermediate,
@@ -278,7 +301,7 @@ def test_lossy_fit_recomputes_layers_within_the_measured_step_ratio(monkeypatch,
     assert fitted.plan.recompute and fitted.step_peak_bytes <= budget
     assert fitted.score["tensor_error"] < 0.1 * codes.score["tensor_error"]
     assert fitted.step_time_ratio is not None and fitted.record()["budget_step_time_ratio"] == fitted.step_time_ratio
-    monkeypatch.setattr(_Stepper, "time_ratio", lambda self, plan, repeats=3: 20.0)
+    monkeypatch.setattr(_Stepper, "time_ratio", lambda self, plan, repeats=3, limit=None: 20.0)
     with caplog.at_level(logging.INFO, logger="lessmem.sensitivity.fit"):
         slow = lessmem.fit(model, batch, budget, max_step_ratio=1.5, **settings)
     assert "the map's step takes 20.00x stock's" in caplog.text and "reruns within" in caplog.text
@@ -296,7 +319,7 @@ def test_recomputed_layers_reach_below_the_codes_floor(monkeypatch, caplog) -> N
         lessmem.fit(model, batch, budget, max_step_ratio=1.0, **settings)
     fitted = lessmem.fit(model, batch, budget, max_step_ratio=10.0, **settings)
     assert fitted.plan.recompute and fitted.step_peak_bytes <= budget and fitted.floor_step_peak_bytes <= budget
-    monkeypatch.setattr(_Stepper, "time_ratio", lambda self, plan, repeats=3: 20.0)
+    monkeypatch.setattr(_Stepper, "time_ratio", lambda self, plan, repeats=3, limit=None: 20.0)
     with caplog.at_level(logging.INFO, logger="lessmem.sensitivity.fit"):
         slow = lessmem.fit(model, batch, budget, max_step_ratio=10.0, **settings)
     assert "keeping the map whose step takes 20.00x" in caplog.text
