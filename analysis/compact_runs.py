@@ -212,19 +212,16 @@ def _run_order(path: Path) -> tuple[str, int]:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["--publish"]:
+    if argv[:1] in (["--publish"], ["--pack"]):  # SRC and a destination
+        verb, usage = argv[0], {"--publish": "SRC DEST", "--pack": "SRC TAR"}[argv[0]]
         if len(argv) != 3 or not (Path(argv[1]) / "runs").is_dir():
-            print("compact_runs.py: error: --publish SRC DEST, SRC a result folder with runs/", file=sys.stderr)
+            print(f"compact_runs.py: error: {verb} {usage}, SRC a result folder with runs/", file=sys.stderr)
             return 2
-        table = publish(Path(argv[1]), Path(argv[2]))
-        print(f"{Path(argv[2]) / 'runs.json'}: {sum(map(len, table['runs'].values()))} runs from {argv[1]}")
-        return 0
-    if argv[:1] == ["--pack"]:
-        if len(argv) != 3 or not (Path(argv[1]) / "runs").is_dir():
-            print("compact_runs.py: error: --pack SRC TAR, SRC a result folder with runs/", file=sys.stderr)
-            return 2
-        packed = pack(Path(argv[1]), Path(argv[2]))
-        print(f"{argv[2]}: {', '.join(packed) or 'nothing unfinished'}")
+        if verb == "--publish":
+            table = publish(Path(argv[1]), Path(argv[2]))
+            print(f"{Path(argv[2]) / 'runs.json'}: {sum(map(len, table['runs'].values()))} runs from {argv[1]}")
+        else:
+            print(f"{argv[2]}: {', '.join(pack(Path(argv[1]), Path(argv[2]))) or 'nothing unfinished'}")
         return 0
     back = {"--restore": restore, "--restore-maps": restore_maps}.get(argv[0]) if argv else None
     folders = [Path(a) for a in argv[back is not None:]]
