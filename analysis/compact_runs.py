@@ -107,10 +107,11 @@ def pack(src: Path, tar: Path) -> list[str]:
     runs = [p.parent for p in sorted((src / "runs").glob("*/seed*/checkpoint.pt"), key=_run_order)
             if not (p.parent / "metrics.json").exists()]
     tops = [p for p in sorted(src.iterdir()) if p.is_file() and p.name != "runs.json" and p.suffix != ".log"]
+    names = [path.relative_to(src).as_posix() for path in runs + tops]
     with tarfile.open(tar, "w") as archive:
-        for path in runs + tops:
-            archive.add(path, arcname=path.relative_to(src).as_posix())
-    return [path.relative_to(src).as_posix() for path in runs + tops]
+        for path, name in zip(runs + tops, names, strict=True):
+            archive.add(path, arcname=name)
+    return names
 
 
 def _merged(old: dict, new: dict) -> dict:
@@ -212,8 +213,9 @@ def _run_order(path: Path) -> tuple[str, int]:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] in (["--publish"], ["--pack"]):  # SRC and a destination
-        verb, usage = argv[0], {"--publish": "SRC DEST", "--pack": "SRC TAR"}[argv[0]]
+    usage = {"--publish": "SRC DEST", "--pack": "SRC TAR"}.get(argv[0]) if argv else None  # SRC and a destination
+    if usage is not None:
+        verb = argv[0]
         if len(argv) != 3 or not (Path(argv[1]) / "runs").is_dir():
             print(f"compact_runs.py: error: {verb} {usage}, SRC a result folder with runs/", file=sys.stderr)
             return 2
