@@ -95,7 +95,13 @@ def test_budget_holds(setup, warm, tmp_path: Path) -> None:
     # From the cache: the menu and the measured points of the first search (a map may change with them).
     again = lessmem.fit(model, batch, budget, optimizer=sgd)
     assert again.step_peak_bytes <= budget and len(list((tmp_path / "budget").glob("*.json"))) == 1
-    # A cache written before a criterion existed is measured again, not a failed choice.
+
+
+@pytest.mark.slow
+def test_a_cache_from_before_a_criterion_is_measured_again(setup, warm, tmp_path: Path) -> None:
+    """A cache written before a criterion existed is measured again, not a failed choice."""
+    model, batch, stock = setup
+    budget = int(0.6 * stock)
     (cached,) = (tmp_path / "budget").glob("*.json")
     older = json.loads(cached.read_text())
     for item in older["menu"]["items"]:

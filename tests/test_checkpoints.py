@@ -128,7 +128,8 @@ def straight(tmp_path_factory: pytest.TempPathFactory, tiny: tuple[str, ...]) ->
     return run(compose_config([*tiny, *STEPS, f"out_dir={out}"])) | {"out": out}
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+# SIGTERM (what a scheduler sends) by default; Ctrl-C's SIGINT takes the same path, in the slow run
+@pytest.mark.parametrize("signum", [pytest.param(signal.SIGINT, marks=pytest.mark.slow), signal.SIGTERM])
 def test_signal_at_a_random_step_then_resume_matches_the_straight_run(
         signum: int, straight: dict, compose, tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     nth = random.Random(signum).randrange(1, 12)  # any of the first 11 of 12 steps

@@ -112,7 +112,8 @@ def test_sensitivity_options_reach_the_run(tmp_path: Path, run_cli, tiny: tuple[
     torch.save(build_model("resnet20", 10).state_dict(), weights)
     out = tmp_path / "out"
     result = run_cli(sensitivity.main, "lessmem-sensitivity", *tiny, "sensitivity.batches=1",
-                     "sensitivity.batch_size=4", "menu.kernels=[1, 2]", f"sensitivity.checkpoint={weights}",
+                     "sensitivity.batch_size=4", "menu=kernels", "menu.kernels=[1, 2]", "sensitivity.budget=0.8",
+                     f"sensitivity.checkpoint={weights}",
                      f"sensitivity.out={out}", "sensitivity.time_steps=2")
     assert result.status == 0, result.stderr
     meta = MenuResult.load(out).meta

@@ -47,8 +47,9 @@ def measure(stock: nn.Module, model: nn.Module | None, batch: tuple[Tensor, Tens
             net = copy.deepcopy(net).to(device).train()
             with autocast(device, precision):
                 report = measure_memory(net, x.to(device))
+            # live=False: the record keeps the peak and its categories, not the tensors named at it
             step = measure_step_memory(net, (x.to(device), y.to(device)), optimizer=make_optimizer(net),
-                                       loss_fn=loss_fn, amp_dtype=PRECISIONS[precision])
+                                       loss_fn=loss_fn, amp_dtype=PRECISIONS[precision], live=False)
             measured[prefix] = (report, step)
             del net
     for prefix, (report, step) in measured.items():
