@@ -484,6 +484,7 @@ FOLDERS = [
 CONVERGED = (
     ("proof_resnet20_converged", "resnet20, all of CIFAR-10, 50 epochs (top-1 %)",
      {"chosen_0.08": "default menu's map at 0.08×", "pool2": "the paper's 2×2 (exact BatchNorm inputs)",
+      "adaptive_0.08": "the 0.08× map re-chosen every 10 epochs (`adaptive.every`)",
       "budget_0.45": "`memory_budget=` at 0.45× stock's step peak"}),
     ("proof_lm_converged", "tiny Llama, 3,000 steps (val_ppl)",
      {"chosen_0.25": "default menu's map at 0.25×", "chosen_0.12": "default menu's map at 0.12× (codes)",
