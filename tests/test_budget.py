@@ -111,6 +111,17 @@ def test_a_cache_from_before_a_criterion_is_measured_again(setup, warm, tmp_path
     assert all("tensor_error" in i["criteria"] for i in json.loads(cached.read_text())["menu"]["items"])
 
 
+def test_cache_key_tells_models_apart_by_their_layers_settings(setup) -> None:
+    """Two models with the same parameters whose peaks differ (a stride, an in-place ReLU) are
+    measured apart: the cache key holds each module's settings, not only its type."""
+    model, batch, _ = setup
+    strided, copying = copy.deepcopy(model), copy.deepcopy(model)
+    strided.conv1.stride = (2, 2)
+    copying.relu.inplace = False
+    keys = {_Stepper(m, batch, sgd, F.cross_entropy, None).key() for m in (model, strided, copying)}
+    assert len(keys) == 3
+
+
 def test_profile_interpolates_between_measured_maps(setup, profiled) -> None:
     model, batch, stock = setup
     profile, _ = profiled

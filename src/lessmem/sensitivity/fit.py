@@ -489,7 +489,8 @@ class _Stepper:
             opt = [type(built).__name__, {k: repr(v) for k, v in sorted(built.defaults.items())}]
         fields = {"model": type(self.model).__qualname__,
                   "params": [(n, list(p.shape), str(p.dtype)) for n, p in self.model.named_parameters()],
-                  "modules": [type(m).__name__ for m in self.model.modules()],
+                  # with their settings: a stride, padding or in-place flag changes the peaks, not the params
+                  "modules": [f"{type(m).__name__}({m.extra_repr()})" for m in self.model.modules()],
                   "batch": [(list(t.shape), str(t.dtype)) for t in self.batch], "device": str(self.batch[0].device),
                   "optimizer": opt, "loss": getattr(self.loss_fn, "__qualname__", type(self.loss_fn).__name__),
                   "amp": str(self.amp_dtype), "torch": torch.__version__,
